@@ -1,0 +1,569 @@
+"""The database handle: open/create, commits, group commit, time travel, SQL.
+
+    >>> import tempfile, trellisdb
+    >>> db = trellisdb.connect(tempfile.mkdtemp() + "/db", embedding_dim=4)
+    >>> with db.transaction(message="seed"):
+    ...     s = db.session(task="t1", agent="a")
+    ...     n = s.add_node(id="n1", summary="root")
+    >>> first = db.log()[-1]["id"]
+    >>> _ = db.tag("seeded")
+    >>> with db.session(task="t1", agent="a") as s2:
+    ...     _ = s2.add_node(parents=["n1"], summary="child")
+    >>> db.sql("SELECT count(*) AS n FROM nodes").to_pylist()
+    [{'n': 2}]
+    >>> db.sql("SELECT count(*) AS n FROM nodes", as_of="seeded").to_pylist()
+    [{'n': 1}]
+"""
+
+from __future__ import annotations
+
+import atexit
+import datetime as dt
+import json
+import os
+import socket
+import threading
+import time
+import weakref
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import pyarrow as pa
+
+from trellisdb.errors import (
+    CorruptionError,
+    FormatVersionError,
+    NotADatabaseError,
+    TransactionError,
+    UnknownCommitError,
+    UnknownNodeError,
+    UnknownSessionError,
+    UnknownTagError,
+    ValidationError,
+)
+from trellisdb.ids import new_id
+from trellisdb.reader import SqlEngine
+from trellisdb.result import Result
+from trellisdb.schema import DATA_TABLES, FORMAT_VERSION
+from trellisdb.storage import log as commit_log
+from trellisdb.storage.lock import WriterLock
+from trellisdb.storage.tables import LanceTables
+from trellisdb.writer import Batch, SessionWriter, _check_str, check_embedding, config_text
+
+MARKER = "trellis.json"
+DEFAULT_EMBEDDING_DIM = 384
+AsOf = int | str | dt.datetime | None
+
+_open_dbs: weakref.WeakSet[Database] = weakref.WeakSet()
+
+
+@atexit.register
+def _flush_all() -> None:  # a clean interpreter exit loses nothing pending
+    for db in list(_open_dbs):
+        try:
+            db.close()
+        except Exception:  # noqa: S110 - exiting; nothing to report to
+            pass
+
+
+def connect(
+    path: str | os.PathLike[str],
+    *,
+    embedding_dim: int | None = None,
+    commit_delay: float = 0.05,
+    max_batch_rows: int = 10_000,
+    auto_compact: bool = True,
+    compact_fragments: int = 32,
+    create: bool = True,
+) -> Database:
+    """Open the database in folder ``path``, creating it if needed.
+
+    ``embedding_dim`` is fixed when the database is created (default 384) and
+    checked on open. ``commit_delay`` bounds how long a single-call write waits
+    to be group-committed; ``flush()`` commits at once.
+    """
+    return Database(
+        os.fspath(path),
+        embedding_dim=embedding_dim,
+        commit_delay=commit_delay,
+        max_batch_rows=max_batch_rows,
+        auto_compact=auto_compact,
+        compact_fragments=compact_fragments,
+        create=create,
+    )
+
+
+def _init_folder(path: str, dim: int) -> None:
+    """Create a database; the marker file is written last, atomically."""
+    tables = LanceTables(os.path.join(path, "tables"))
+    tables.create_all(dim)
+    log_path = os.path.join(path, "commits.log")
+    if not os.path.exists(log_path):
+        commit_log.create(log_path)
+    tmp = os.path.join(path, MARKER + ".tmp")
+    with open(tmp, "w") as fh:
+        json.dump({"format": "trellisdb", "format_version": FORMAT_VERSION, "embedding_dim": dim}, fh)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, os.path.join(path, MARKER))
+
+
+_OUR_FILES = {"tables", "commits.log", "LOCK", MARKER + ".tmp"}
+
+
+class Database:
+    """An open trellisdb database. Create it with :func:`trellisdb.connect`."""
+
+    def __init__(
+        self,
+        path: str,
+        *,
+        embedding_dim: int | None,
+        commit_delay: float,
+        max_batch_rows: int,
+        auto_compact: bool,
+        compact_fragments: int,
+        create: bool,
+    ) -> None:
+        self.path = path
+        self.commit_delay = commit_delay
+        self.max_batch_rows = max_batch_rows
+        self.auto_compact = auto_compact
+        self.compact_fragments = compact_fragments
+        marker = os.path.join(path, MARKER)
+        if not os.path.exists(marker):
+            if os.path.isfile(path):
+                raise NotADatabaseError(f"{path} is a file, not a trellisdb database folder")
+            entries = set(os.listdir(path)) if os.path.isdir(path) else set()
+            if entries - _OUR_FILES:
+                raise NotADatabaseError(
+                    f"{path} is not a trellisdb database (no {MARKER}) and is not empty; "
+                    "choose an empty or new folder"
+                )
+            if not create:
+                raise NotADatabaseError(f"{path} is not a trellisdb database; run `trellis init --db {path}`")
+            os.makedirs(path, exist_ok=True)
+            self._lock = WriterLock(os.path.join(path, "LOCK"))
+            with self._lock.held():
+                if not os.path.exists(marker):
+                    if "tables" in entries:  # a half-finished init: start it again
+                        import shutil
+
+                        shutil.rmtree(os.path.join(path, "tables"))
+                    _init_folder(path, embedding_dim or DEFAULT_EMBEDDING_DIM)
+        self._lock = WriterLock(os.path.join(path, "LOCK"))
+        try:
+            with open(marker) as fh:
+                meta = json.load(fh)
+        except (OSError, ValueError) as e:
+            raise CorruptionError(f"{marker} is unreadable ({e}); the database cannot be opened") from e
+        if not isinstance(meta, dict) or meta.get("format") != "trellisdb":
+            raise NotADatabaseError(f"{marker} does not describe a trellisdb database")
+        if meta.get("format_version") != FORMAT_VERSION:
+            raise FormatVersionError(
+                f"{path} has format version {meta.get('format_version')!r}; this trellisdb reads version "
+                f"{FORMAT_VERSION}. Use the trellisdb release that wrote it, or export and re-import"
+            )
+        self.embedding_dim = int(meta["embedding_dim"])
+        if embedding_dim is not None and embedding_dim != self.embedding_dim:
+            raise ValidationError(
+                f"{path} was created with embedding_dim={self.embedding_dim}, not {embedding_dim}; "
+                "omit embedding_dim or pass the database's own"
+            )
+        self._log = commit_log.CommitLog(os.path.join(path, "commits.log"))
+        self._log.refresh()
+        self._tables = LanceTables(os.path.join(path, "tables"))
+        self._engine = SqlEngine(self._tables)
+        self._writer_name = f"{socket.gethostname()}:{os.getpid()}"
+        self._state_lock = threading.RLock()
+        self._pending = Batch()
+        self._tx = threading.local()
+        self._timer: threading.Timer | None = None
+        self._bg_error: BaseException | None = None
+        self._known_nodes: set[str] = set()
+        self._known_hashes: set[str] = set()
+        self._commits_since_compact = 0
+        self._closed = False
+        _open_dbs.add(self)
+
+    # ------------------------------------------------------------------ writing
+    def session(
+        self,
+        *,
+        task: str,
+        agent: str | None = None,
+        model: str | None = None,
+        config: Mapping[str, Any] | str | None = None,
+        id: str | None = None,
+        task_spec: str | None = None,
+    ) -> SessionWriter:
+        """Start a session of ``agent`` on ``task`` (created if new); returns its writer.
+
+        Use it as a context manager: on exit the session is marked completed
+        (or failed, on an exception) and its writes are flushed.
+        """
+        _check_str(task, "task", optional=False)
+        sid = _check_str(id, "session id") or new_id()
+        row = {
+            "id": sid,
+            "task_id": task,
+            "agent": _check_str(agent, "agent"),
+            "model": _check_str(model, "model"),
+            "config": config_text(config),
+            "status": "running",
+            "created_at": dt.datetime.now(dt.UTC),
+        }
+        need_task = not self._exists("tasks", "id", task)
+        with self._sink() as b:
+            if need_task and task not in b.tasks:
+                self._add_task_row(b, task, task, task_spec, None, None)
+            b.rows["sessions"].append(row)
+            b.sessions[sid] = row
+            b.session_id = sid
+        return SessionWriter(self, sid, task)
+
+    def resume(self, session_id: str) -> SessionWriter:
+        """A writer for an existing session (e.g. after the agent restarted)."""
+        rows = self.sql("SELECT task_id, coalesce(max_step, 0) AS s FROM sessions LEFT JOIN "
+                        "(SELECT session_id, max(step) AS max_step FROM nodes GROUP BY 1) m "
+                        "ON m.session_id = sessions.id WHERE id = $1", params=[session_id]).to_pylist()
+        if not rows:
+            raise UnknownSessionError(f"session {session_id!r} does not exist")
+        w = SessionWriter(self, session_id, rows[0]["task_id"])
+        w._step = int(rows[0]["s"])
+        return w
+
+    def add_task(
+        self,
+        id: str,
+        *,
+        name: str | None = None,
+        spec: str | None = None,
+        tags: Sequence[str] | None = None,
+        embedding: Sequence[float] | None = None,
+    ) -> str:
+        """Declare a task (what is being solved)."""
+        _check_str(id, "task id", optional=False)
+        with self._sink() as b:
+            self._add_task_row(b, id, name or id, spec, tags, embedding)
+        return id
+
+    def _add_task_row(
+        self, b: Batch, id: str, name: str | None, spec: str | None,
+        tags: Sequence[str] | None, embedding: Sequence[float] | None,
+    ) -> None:
+        b.rows["tasks"].append({
+            "id": id, "name": _check_str(name, "task name"), "spec": _check_str(spec, "task spec"),
+            "tags": list(tags) if tags else None,
+            "embedding": check_embedding(embedding, self.embedding_dim, f"embedding of task {id!r}"),
+            "created_at": dt.datetime.now(dt.UTC),
+        })
+        b.tasks.add(id)
+
+    def _write_session_status(self, session_id: str, status: str) -> None:
+        with self._sink() as b:
+            row = b.sessions.get(session_id)
+            if row is None:
+                cur = self.sql("SELECT * EXCLUDE (commit_id) FROM sessions WHERE id = $1", params=[session_id]).to_pylist()
+                if not cur:
+                    raise UnknownSessionError(f"session {session_id!r} does not exist")
+                row = cur[0]
+                b.rows["sessions"].append(row)
+                b.sessions[session_id] = row
+            row["status"] = status
+
+    def _set_status(self, node_id: str, status: str) -> None:
+        with self._sink() as b:
+            row = b.nodes.get(node_id)
+            if row is None:
+                cur = self._node_row(node_id)
+                if cur is None:
+                    raise UnknownNodeError(f"set_status: node {node_id!r} does not exist")
+                row = dict(cur)
+                row["created_at"] = dt.datetime.now(dt.UTC)
+                b.rows["nodes"].append(row)
+                b.nodes[node_id] = row
+            row["status"] = status
+
+    def in_transaction(self) -> bool:
+        return getattr(self._tx, "batch", None) is not None
+
+    @contextmanager
+    def _sink(self) -> Iterator[Batch]:
+        """The batch a write goes to: the thread's transaction, or the group batch."""
+        self._raise_bg_error()
+        if self._closed:
+            raise TransactionError(f"database {self.path} is closed")
+        tx = getattr(self._tx, "batch", None)
+        if tx is not None:
+            yield tx
+            return
+        with self._state_lock:
+            yield self._pending
+            n = len(self._pending)
+        if n >= self.max_batch_rows:
+            self.flush()
+        else:
+            self._arm_timer()
+
+    def _arm_timer(self) -> None:
+        with self._state_lock:
+            if self._timer is None:
+                t = threading.Timer(self.commit_delay, self._timer_flush)
+                t.daemon = True
+                self._timer = t
+                t.start()
+
+    def _timer_flush(self) -> None:
+        try:
+            self.flush()
+        except BaseException as e:  # surfaces on the next call
+            self._bg_error = e
+
+    def _raise_bg_error(self) -> None:
+        if self._bg_error is not None:
+            e, self._bg_error = self._bg_error, None
+            raise e
+
+    def flush(self) -> int | None:
+        """Commit pending group-committed writes now; return the commit id (None if nothing)."""
+        with self._state_lock:
+            if self._timer is not None:
+                self._timer.cancel()
+                self._timer = None
+            batch, self._pending = self._pending, Batch()
+            if not len(batch):
+                self._raise_bg_error()
+                return None
+            return self._commit(batch, message=None)
+
+    @contextmanager
+    def transaction(self, message: str | None = None) -> Iterator[Database]:
+        """Commit every write made in the block (in this thread) as one commit.
+
+        Nothing is visible to readers until the block ends; an exception
+        discards the writes.
+        """
+        if self.in_transaction():
+            raise TransactionError("transactions do not nest; commit the outer one first")
+        self._tx.batch = Batch()
+        try:
+            yield self
+            batch = self._tx.batch
+        finally:
+            self._tx.batch = None
+        if len(batch):
+            self._tx.last_commit = self._commit(batch, message=message)
+
+    def ingest(self, tables: Mapping[str, pa.Table], message: str | None = None) -> int:
+        """Bulk-write whole Arrow tables (any subset of the data tables) as one commit.
+
+        Columns are matched by name; missing nullable columns are filled with
+        nulls. Parents of edges must exist in the batch or the database.
+        """
+        from trellisdb.bulk import prepare_bulk
+
+        prepared = prepare_bulk(self, tables)
+        return self._commit(Batch(), message=message, extra=prepared)
+
+    def _commit(self, batch: Batch, message: str | None, extra: Mapping[str, pa.Table] | None = None) -> int:
+        with self._lock.held():
+            self._log.repair_tail()
+            st = self._log.refresh()
+            if st.problems:
+                raise CorruptionError(
+                    f"the commit log is damaged ({st.problems[0][1]}); writes are refused until "
+                    "`trellis verify` is clean. Reads still work"
+                )
+            self._collect_aborted()
+            cid = st.max_id + 1
+            self._log.append([{"op": "begin", "id": cid}])
+            data = batch.to_arrow(self.embedding_dim, cid)
+            for name, t in (extra or {}).items():
+                t = t.set_column(t.schema.get_field_index("commit_id"), "commit_id",
+                                 pa.array([cid] * t.num_rows, pa.int64()))
+                data[name] = pa.concat_tables([data[name], t]) if name in data else t
+            rows = 0
+            for name in DATA_TABLES:
+                if name in data and data[name].num_rows:
+                    self._tables.append(name, data[name])
+                    rows += data[name].num_rows
+            self._log.append([{
+                "op": "commit", "id": cid, "time": time.time(), "writer": self._writer_name,
+                "session": batch.session_id, "message": message, "rows": rows,
+            }])
+            self._log.refresh()
+            self._known_nodes.update(batch.nodes)
+            self._known_hashes.update(batch.hashes)
+            self._commits_since_compact += 1
+            if self.auto_compact and self._commits_since_compact >= max(4, self.compact_fragments // 4):
+                self._commits_since_compact = 0
+                self._compact(only_if_fragmented=True)
+            return cid
+
+    def _collect_aborted(self) -> None:
+        """Delete rows of commits that began but never committed (holding the lock)."""
+        st = self._log.state
+        dead = sorted(i for i in st.begun if i not in st.commits and i not in st.collected)
+        if not dead:
+            return
+        pred = f"commit_id IN ({', '.join(str(i) for i in dead)})"
+        for name in DATA_TABLES:
+            self._tables.delete(name, pred)
+        self._log.append([{"op": "collected", "ids": dead}])
+        self._log.refresh()
+
+    def compact(self) -> dict[str, Any]:
+        """Compact every table's fragments now and drop unneeded physical versions."""
+        self.flush()
+        with self._lock.held():
+            return self._compact(only_if_fragmented=False)
+
+    def _compact(self, *, only_if_fragmented: bool) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for name in DATA_TABLES:
+            if only_if_fragmented and self._tables.fragment_count(name) < self.compact_fragments:
+                continue
+            out[name] = self._tables.compact(name)
+        return out
+
+    def tag(self, name: str, commit: int | None = None) -> int:
+        """Name a commit (default: the latest); return its id."""
+        _check_str(name, "tag name", optional=False)
+        if not name or name.isdigit():
+            raise ValidationError(f"tag name {name!r} must be non-empty and not a number")
+        self.flush()
+        with self._lock.held():
+            self._log.repair_tail()
+            st = self._log.refresh()
+            cid = st.last_committed if commit is None else int(commit)
+            if cid not in st.commits:
+                raise UnknownCommitError(f"commit {cid} does not exist; see `trellis log`")
+            self._log.append([{"op": "tag", "name": name, "id": cid}])
+            self._log.refresh()
+        return cid
+
+    # ------------------------------------------------------------------ reading
+    def log(self) -> list[dict[str, Any]]:
+        """The commits, oldest first: id, time, writer, session_id, message, rows, tags."""
+        st = self._log.refresh()
+        from trellisdb.reader import commits_table
+
+        return commits_table(st, st.last_committed).to_pylist()
+
+    def tags(self) -> dict[str, int]:
+        return dict(self._log.refresh().tags)
+
+    def resolve_as_of(self, as_of: AsOf) -> int:
+        """The commit id a point in time names: a commit id, tag, timestamp or None (latest)."""
+        st = self._log.refresh()
+        if as_of is None:
+            return st.last_committed
+        if isinstance(as_of, bool):
+            raise ValidationError(f"as_of must be a commit id, tag or timestamp, not {as_of!r}")
+        if isinstance(as_of, int):
+            if as_of == 0 or as_of in st.commits:
+                return as_of
+            raise UnknownCommitError(f"commit {as_of} does not exist (last commit is {st.last_committed}); see `trellis log`")
+        if isinstance(as_of, str):
+            if as_of in st.tags:
+                return st.tags[as_of]
+            if as_of.isdigit():
+                return self.resolve_as_of(int(as_of))
+            try:
+                ts = dt.datetime.fromisoformat(as_of)
+            except ValueError:
+                import difflib
+
+                close = difflib.get_close_matches(as_of, list(st.tags), n=1)
+                hint = f"; did you mean {close[0]!r}?" if close else ""
+                raise UnknownTagError(f"{as_of!r} is neither a tag nor an ISO timestamp{hint}") from None
+            as_of = ts
+        if isinstance(as_of, dt.datetime):
+            ts = as_of if as_of.tzinfo else as_of.replace(tzinfo=dt.UTC)
+            t = ts.timestamp()
+            ids = [i for i, r in st.commits.items() if r["time"] <= t]
+            return max(ids) if ids else 0
+        raise ValidationError(f"as_of must be a commit id, tag or timestamp, not {type(as_of).__name__}")
+
+    def sql(
+        self,
+        text: str,
+        as_of: AsOf = None,
+        params: Sequence[Any] | Mapping[str, Any] | None = None,
+    ) -> Result:
+        """Run DuckDB SQL over the tables as of a commit (default: latest).
+
+        Tables: ``tasks``, ``sessions``, ``nodes``, ``edges``, ``artifacts``,
+        ``node_artifacts``, ``rewards``, ``comparisons`` (current state: latest
+        row per key), each also as ``<name>_history`` (all rows), and
+        ``commits``. Values go in ``params`` (``$1`` or ``$name``), never
+        into the text.
+        """
+        snap = self.resolve_as_of(as_of)
+        return Result(self._engine.run(self._log.state, snap, text, params), sql=text)
+
+    # ------------------------------------------------------- lookups for writes
+    def _exists(self, table: str, col: str, value: str) -> bool:
+        st = self._log.refresh()
+        t = self._engine.run(st, st.last_committed, f"SELECT 1 FROM {table}_history WHERE {col} = $1 LIMIT 1", [value])
+        return t.num_rows > 0
+
+    def _missing_nodes(self, ids: list[str]) -> list[str]:
+        """The ids among ``ids`` that are neither pending nor committed."""
+        pending: set[str] = set(self._pending.nodes)
+        tx = getattr(self._tx, "batch", None)
+        if tx is not None:
+            pending |= set(tx.nodes)
+        todo = [i for i in ids if i not in pending and i not in self._known_nodes]
+        if not todo:
+            return []
+        st = self._log.refresh()
+        found = self._engine.run(
+            st, st.last_committed, "SELECT DISTINCT id FROM nodes_history WHERE id IN (SELECT unnest($1::VARCHAR[]))", [todo]
+        ).column("id").to_pylist()
+        self._known_nodes.update(found)
+        return [i for i in todo if i not in set(found)]
+
+    def _node_row(self, node_id: str) -> dict[str, Any] | None:
+        for b in (getattr(self._tx, "batch", None), self._pending):
+            if b is not None and node_id in b.nodes:
+                return b.nodes[node_id]
+        st = self._log.refresh()
+        rows = self._engine.run(
+            st, st.last_committed, "SELECT * EXCLUDE (commit_id) FROM nodes WHERE id = $1", [node_id]
+        ).to_pylist()
+        return rows[0] if rows else None
+
+    def _has_artifact(self, h: str) -> bool:
+        if h in self._known_hashes:
+            return True
+        if self._exists("artifacts", "hash", h):
+            self._known_hashes.add(h)
+            return True
+        return False
+
+    # ------------------------------------------------------------- maintenance
+    def verify(self) -> list[str]:
+        """Check every file; return problems, each naming the file (empty: healthy)."""
+        problems = [msg for _, msg in self._log.refresh().problems]
+        for name in DATA_TABLES:
+            problems.extend(self._tables.verify(name))
+        return problems
+
+    def close(self) -> None:
+        """Flush pending writes and release resources."""
+        if self._closed:
+            return
+        self.flush()
+        self._closed = True
+
+    def __enter__(self) -> Database:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"<trellisdb.Database {self.path!r} commit={self._log.state.last_committed}>"

@@ -1,0 +1,73 @@
+"""The error hierarchy. Every error trellisdb raises derives from `TrellisError`.
+
+Each message names the offending value and says what to do instead::
+
+    >>> import trellisdb
+    >>> try:
+    ...     raise trellisdb.UnknownParentError("parent 'n9' of node 'n10' does not exist")
+    ... except trellisdb.TrellisError as e:
+    ...     print(type(e).__name__)
+    UnknownParentError
+"""
+
+from __future__ import annotations
+
+
+class TrellisError(Exception):
+    """Root of every error raised by trellisdb."""
+
+
+class NotADatabaseError(TrellisError):
+    """The folder is not a trellisdb database."""
+
+
+class FormatVersionError(TrellisError):
+    """The database was written by an incompatible format version."""
+
+
+class CorruptionError(TrellisError):
+    """A file of the database is truncated or corrupted."""
+
+
+class ValidationError(TrellisError):
+    """A value given to a write call is not acceptable."""
+
+
+class UnknownParentError(ValidationError):
+    """A node names a parent (or an edge an endpoint) that does not exist."""
+
+
+class UnknownSessionError(ValidationError):
+    """A write names a session that does not exist."""
+
+
+class UnknownNodeError(ValidationError):
+    """A write names a node that does not exist."""
+
+
+class InvalidRewardError(ValidationError):
+    """A reward is NaN, infinite or not a number."""
+
+
+class EmbeddingDimensionError(ValidationError):
+    """An embedding has the wrong dimension for its space."""
+
+
+class DuplicateIdError(ValidationError):
+    """An id is reused with different content."""
+
+
+class UnknownTagError(TrellisError):
+    """A tag name that does not exist."""
+
+
+class UnknownCommitError(TrellisError):
+    """A commit id or timestamp that does not name a commit."""
+
+
+class QueryError(TrellisError):
+    """A SQL or TQL query failed."""
+
+
+class TransactionError(TrellisError):
+    """A transaction was used wrongly (nested, or after it ended)."""

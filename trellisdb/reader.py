@@ -1,0 +1,102 @@
+"""Runs DuckDB SQL over a consistent snapshot of the Lance tables.
+
+A snapshot is a commit id ``S``. The rows visible at ``S`` are those with
+``commit_id <= S`` whose commit is in the log (ids of aborted commits are
+excluded until they are collected). For each table ``T`` the connection has:
+
+- ``T_history``: every visible row (all versions of every key);
+- ``T``: current state, the latest visible row per key;
+- ``commits``: the commit log up to ``S``.
+
+DuckDB specifics stay in this module.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import duckdb
+import pyarrow as pa
+
+from trellisdb.errors import CorruptionError, QueryError
+from trellisdb.schema import COMMITS_SCHEMA, DATA_TABLES, KEYS
+from trellisdb.storage.log import LogState
+from trellisdb.storage.tables import LanceTables
+
+DUCKDB_CONFIG = {
+    "autoinstall_known_extensions": False,
+    "autoload_known_extensions": False,
+}
+
+
+def commits_table(state: LogState, upto: int) -> pa.Table:
+    by_commit: dict[int, list[str]] = {}
+    for name, cid in state.tags.items():
+        by_commit.setdefault(cid, []).append(name)
+    recs = [state.commits[i] for i in sorted(state.commits) if i <= upto]
+    return pa.table(
+        {
+            "id": pa.array([r["id"] for r in recs], pa.int64()),
+            "time": pa.array([int(r["time"] * 1_000_000) for r in recs], pa.int64()).cast(COMMITS_SCHEMA.field("time").type),
+            "writer": [r.get("writer") for r in recs],
+            "session_id": [r.get("session") for r in recs],
+            "message": [r.get("message") for r in recs],
+            "rows": pa.array([r.get("rows", 0) for r in recs], pa.int64()),
+            "tags": pa.array([sorted(by_commit.get(r["id"], [])) for r in recs], pa.list_(pa.string())),
+        },
+        schema=COMMITS_SCHEMA,
+    )
+
+
+class SqlEngine:
+    """One DuckDB connection per thread, re-pointed at a snapshot per query."""
+
+    def __init__(self, tables: LanceTables) -> None:
+        self._tables = tables
+        self._local = threading.local()
+
+    def _con(self) -> duckdb.DuckDBPyConnection:
+        con = getattr(self._local, "con", None)
+        if con is None:
+            con = duckdb.connect(config=DUCKDB_CONFIG)
+            self._local.con = con
+        return con
+
+    def prepare(self, state: LogState, snapshot: int) -> duckdb.DuckDBPyConnection:
+        """A connection whose views show the database as of ``snapshot``."""
+        con = self._con()
+        aborted = state.aborted(below=snapshot)
+        visible = f"commit_id <= {int(snapshot)}"
+        if aborted:
+            visible += f" AND commit_id NOT IN ({', '.join(str(int(i)) for i in aborted)})"
+        for name in DATA_TABLES:
+            ds = self._tables.dataset(name)
+            con.register(f"__lance_{name}", ds)
+            keys = ", ".join(KEYS[name])
+            con.execute(f"CREATE OR REPLACE TEMP VIEW {name}_history AS SELECT * FROM __lance_{name} WHERE {visible}")
+            con.execute(
+                f"CREATE OR REPLACE TEMP VIEW {name} AS SELECT * FROM {name}_history "
+                f"QUALIFY row_number() OVER (PARTITION BY {keys} ORDER BY commit_id DESC) = 1"
+            )
+        con.register("commits", commits_table(state, snapshot))
+        return con
+
+    def run(
+        self,
+        state: LogState,
+        snapshot: int,
+        text: str,
+        params: Sequence[Any] | Mapping[str, Any] | None = None,
+    ) -> pa.Table:
+        con = self.prepare(state, snapshot)
+        try:
+            rel = con.sql(text, params=params)
+            if rel is None:  # a statement without a result (DDL, SET)
+                return pa.table({})
+            return rel.to_arrow_table()
+        except duckdb.IOException as e:
+            raise CorruptionError(f"reading the tables failed: {e}; run `trellis verify` to find the damaged file") from e
+        except duckdb.Error as e:
+            raise QueryError(f"SQL failed: {e}") from e

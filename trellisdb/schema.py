@@ -1,0 +1,167 @@
+"""Arrow schemas of the experience-graph tables.
+
+Every row is an immutable fact stamped with the ``commit_id`` of the commit that
+wrote it. "Current" state is the latest row per key (``KEYS``) among the rows
+visible at a commit. Field-by-field documentation lives in ``ARCHITECTURE.md``
+and in the ``doc`` metadata of each field::
+
+    >>> from trellisdb.schema import table_schema
+    >>> table_schema("nodes", 4).field("embedding").type
+    FixedSizeListType(fixed_size_list<item: float>[4])
+"""
+
+from __future__ import annotations
+
+import pyarrow as pa
+
+FORMAT_VERSION = 1
+
+TS = pa.timestamp("us", tz="UTC")
+
+
+def _f(name: str, typ: pa.DataType, doc: str, nullable: bool = True) -> pa.Field:
+    return pa.field(name, typ, nullable=nullable, metadata={"doc": doc})
+
+
+def _embedding(dim: int) -> pa.DataType:
+    return pa.list_(pa.float32(), dim)
+
+
+COMMIT_ID = _f("commit_id", pa.int64(), "id of the commit that wrote this row", nullable=False)
+
+
+def table_schema(name: str, dim: int) -> pa.Schema:
+    """The Arrow schema of table ``name`` for embedding dimension ``dim``."""
+    fields = _FIELDS[name](dim)
+    return pa.schema([*fields, COMMIT_ID])
+
+
+def _tasks(dim: int) -> list[pa.Field]:
+    return [
+        _f("id", pa.string(), "task id (caller-supplied or generated)", False),
+        _f("name", pa.string(), "human-readable task name"),
+        _f("spec", pa.string(), "task specification text"),
+        _f("tags", pa.list_(pa.string()), "free-form labels"),
+        _f("embedding", _embedding(dim), "optional embedding of the spec"),
+        _f("created_at", TS, "wall-clock time the row was written"),
+    ]
+
+
+def _sessions(dim: int) -> list[pa.Field]:
+    return [
+        _f("id", pa.string(), "session id", False),
+        _f("task_id", pa.string(), "task this session works on", False),
+        _f("agent", pa.string(), "agent name (e.g. openevolve)"),
+        _f("model", pa.string(), "model the agent used"),
+        _f("config", pa.string(), "agent configuration, JSON text"),
+        _f("status", pa.string(), "running | completed | failed | ..."),
+        _f("created_at", TS, "wall-clock time the row was written"),
+    ]
+
+
+def _nodes(dim: int) -> list[pa.Field]:
+    return [
+        _f("id", pa.string(), "node id (e.g. an OpenEvolve program id)", False),
+        _f("session_id", pa.string(), "session that produced the node", False),
+        _f("task_id", pa.string(), "task of that session", False),
+        _f("kind", pa.string(), "attempt | step | tool_call | observation | ..."),
+        _f("step", pa.int64(), "step number within the session"),
+        _f("status", pa.string(), "pending | evaluated | failed | expanded | closed | ..."),
+        _f("summary", pa.string(), "short text describing the node"),
+        _f("tokens_in", pa.int64(), "cost: prompt tokens"),
+        _f("tokens_out", pa.int64(), "cost: completion tokens"),
+        _f("seconds", pa.float64(), "cost: wall-clock seconds"),
+        _f("usd", pa.float64(), "cost: money"),
+        _f("source", pa.string(), "provenance (importer, tool, ...)"),
+        _f("embedding", _embedding(dim), "optional embedding of the node"),
+        _f("created_at", TS, "wall-clock time the row was written"),
+    ]
+
+
+def _edges(dim: int) -> list[pa.Field]:
+    return [
+        _f("src", pa.string(), "parent / source node id", False),
+        _f("dst", pa.string(), "child / derived node id", False),
+        _f("kind", pa.string(), "derived_from | repair_of | crossover_of | inspired_by | retrieved | depends_on", False),
+        _f("session_id", pa.string(), "session that recorded the edge"),
+    ]
+
+
+def _artifacts(dim: int) -> list[pa.Field]:
+    return [
+        _f("hash", pa.string(), "sha256 of content, hex; the key", False),
+        _f("media_type", pa.string(), "e.g. text/x-python, text/plain"),
+        _f("size", pa.int64(), "content length in bytes"),
+        _f("content", pa.large_binary(), "the bytes, stored once per hash"),
+    ]
+
+
+def _node_artifacts(dim: int) -> list[pa.Field]:
+    return [
+        _f("node_id", pa.string(), "node the artifact belongs to", False),
+        _f("name", pa.string(), "role of the artifact for the node (code, prompt, ...)", False),
+        _f("hash", pa.string(), "artifact hash", False),
+    ]
+
+
+def _rewards(dim: int) -> list[pa.Field]:
+    return [
+        _f("node_id", pa.string(), "rewarded node", False),
+        _f("channel", pa.string(), "signal name (correct, speedup, combined_score, ...)", False),
+        _f("value", pa.float64(), "finite value", False),
+        _f("verifier", pa.string(), "who produced it"),
+        _f("verifier_version", pa.string(), "version of the verifier"),
+        _f("created_at", TS, "wall-clock time the row was written"),
+    ]
+
+
+def _comparisons(dim: int) -> list[pa.Field]:
+    return [
+        _f("id", pa.string(), "comparison id", False),
+        _f("a", pa.string(), "first node", False),
+        _f("b", pa.string(), "second node", False),
+        _f("preferred", pa.string(), "a's or b's id; null for a tie"),
+        _f("margin", pa.float64(), "strength of the preference"),
+        _f("judge", pa.string(), "who judged"),
+    ]
+
+
+_FIELDS = {
+    "tasks": _tasks,
+    "sessions": _sessions,
+    "nodes": _nodes,
+    "edges": _edges,
+    "artifacts": _artifacts,
+    "node_artifacts": _node_artifacts,
+    "rewards": _rewards,
+    "comparisons": _comparisons,
+}
+
+#: Tables stored as Lance datasets, in commit order.
+DATA_TABLES: tuple[str, ...] = tuple(_FIELDS)
+
+#: The key of each table: current state is the latest row per key.
+KEYS: dict[str, tuple[str, ...]] = {
+    "tasks": ("id",),
+    "sessions": ("id",),
+    "nodes": ("id",),
+    "edges": ("src", "dst", "kind"),
+    "artifacts": ("hash",),
+    "node_artifacts": ("node_id", "name"),
+    "rewards": ("node_id", "channel"),
+    "comparisons": ("id",),
+}
+
+COMMITS_SCHEMA = pa.schema(
+    [
+        _f("id", pa.int64(), "commit id, strictly increasing", False),
+        _f("time", TS, "wall-clock time of the commit"),
+        _f("writer", pa.string(), "host:pid of the committing process"),
+        _f("session_id", pa.string(), "session of the writes, if one"),
+        _f("message", pa.string(), "commit message"),
+        _f("rows", pa.int64(), "rows written"),
+        _f("tags", pa.list_(pa.string()), "tag names pointing at this commit"),
+    ]
+)
+
+EDGE_KINDS = ("derived_from", "repair_of", "crossover_of", "inspired_by", "retrieved", "depends_on")

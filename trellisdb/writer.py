@@ -1,0 +1,350 @@
+"""Pending writes and the session writer an agent uses.
+
+    >>> import tempfile, trellisdb
+    >>> db = trellisdb.connect(tempfile.mkdtemp() + "/db", embedding_dim=4)
+    >>> with db.session(task="circle-packing", agent="evolve", model="m") as s:
+    ...     root = s.add_node(summary="initial program", artifacts={"code": "print(1)"})
+    ...     child = s.add_node(parents=[root], summary="mutated")
+    ...     s.add_reward(child, "score", 0.7, verifier="eval.py")
+    >>> db.sql("SELECT count(*) AS n FROM nodes").to_pylist()
+    [{'n': 2}]
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import hashlib
+import json
+import math
+import numbers
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import TYPE_CHECKING, Any
+
+import pyarrow as pa
+
+from trellisdb.errors import (
+    DuplicateIdError,
+    EmbeddingDimensionError,
+    InvalidRewardError,
+    UnknownNodeError,
+    UnknownParentError,
+    ValidationError,
+)
+from trellisdb.ids import new_id
+from trellisdb.schema import DATA_TABLES, EDGE_KINDS, table_schema
+
+if TYPE_CHECKING:
+    from trellisdb.database import Database
+
+
+def _now() -> dt.datetime:
+    return dt.datetime.now(dt.UTC)
+
+
+@dataclass
+class Batch:
+    """Rows waiting to be committed together, per table."""
+
+    rows: dict[str, list[dict[str, Any]]] = field(default_factory=lambda: {t: [] for t in DATA_TABLES})
+    nodes: dict[str, dict[str, Any]] = field(default_factory=dict)
+    sessions: dict[str, dict[str, Any]] = field(default_factory=dict)
+    tasks: set[str] = field(default_factory=set)
+    hashes: set[str] = field(default_factory=set)
+    session_id: str | None = None
+
+    def __len__(self) -> int:
+        return sum(len(r) for r in self.rows.values())
+
+    def to_arrow(self, dim: int, commit_id: int) -> dict[str, pa.Table]:
+        out: dict[str, pa.Table] = {}
+        for name, rows in self.rows.items():
+            if not rows:
+                continue
+            sch = table_schema(name, dim)
+            cols = {f.name: [r.get(f.name) for r in rows] for f in sch if f.name != "commit_id"}
+            cols["commit_id"] = [commit_id] * len(rows)
+            out[name] = pa.Table.from_pydict(cols, schema=sch)
+        return out
+
+
+def _check_str(value: object, what: str, *, optional: bool = True) -> str | None:
+    if value is None and optional:
+        return None
+    if not isinstance(value, str):
+        raise ValidationError(f"{what} must be a string, got {type(value).__name__} {value!r}")
+    return value
+
+
+def _check_int(value: object, what: str) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ValidationError(f"{what} must be an integer, got {type(value).__name__} {value!r}")
+    return int(value)
+
+
+def _check_float(value: object, what: str, *, finite: bool = True) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValidationError(f"{what} must be a number, got {type(value).__name__} {value!r}")
+    f = float(value)
+    if finite and not math.isfinite(f):
+        raise ValidationError(f"{what} must be finite, got {f!r}")
+    return f
+
+
+def check_embedding(value: object, dim: int, what: str) -> list[float] | None:
+    if value is None:
+        return None
+    try:
+        vec = [float(x) for x in value]  # type: ignore[attr-defined]
+    except (TypeError, ValueError) as e:
+        raise ValidationError(f"{what} must be a sequence of numbers, got {type(value).__name__}") from e
+    if len(vec) != dim:
+        raise EmbeddingDimensionError(
+            f"{what} has dimension {len(vec)}, but this database's embedding space has dimension {dim}"
+        )
+    if not all(math.isfinite(x) for x in vec):
+        raise ValidationError(f"{what} contains NaN or infinite values")
+    return vec
+
+
+def content_hash(content: bytes) -> str:
+    return hashlib.sha256(content).hexdigest()
+
+
+class SessionWriter:
+    """Writes one session's nodes, edges, artifacts, rewards and comparisons.
+
+    Obtain it from :meth:`Database.session`; every call validates its input and
+    raises a :class:`~trellisdb.TrellisError` subclass naming the bad value.
+    Writes are group-committed (see :meth:`Database.flush`) unless made inside
+    :meth:`Database.transaction`.
+    """
+
+    def __init__(self, db: Database, session_id: str, task_id: str) -> None:
+        self._db = db
+        self.id = session_id
+        self.task_id = task_id
+        self._step = 0
+        self._closed = False
+
+    def __enter__(self) -> SessionWriter:
+        return self
+
+    def __exit__(
+        self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if not self._closed:
+            self.close(status="failed" if et is not None else "completed")
+
+    def close(self, status: str = "completed") -> None:
+        """Record the session's final status and flush its writes."""
+        self._closed = True
+        self._db._write_session_status(self.id, status)
+        if not self._db.in_transaction():
+            self._db.flush()
+
+    def add_node(
+        self,
+        *,
+        id: str | None = None,
+        parents: Sequence[str] = (),
+        edge_kind: str = "derived_from",
+        kind: str = "attempt",
+        step: int | None = None,
+        status: str = "pending",
+        summary: str | None = None,
+        cost: Mapping[str, float] | None = None,
+        embedding: Sequence[float] | None = None,
+        artifacts: Mapping[str, str | bytes] | None = None,
+        source: str | None = None,
+    ) -> str:
+        """Add a node (an attempt, step, tool call...) and its parent edges; return its id."""
+        db = self._db
+        node_id = _check_str(id, "node id") or new_id()
+        _check_str(kind, "kind", optional=False)
+        _check_str(status, "status", optional=False)
+        _check_str(summary, "summary")
+        _check_str(source, "source")
+        if isinstance(parents, str):
+            raise ValidationError(f"parents must be a list of node ids, got the string {parents!r}; write parents=[{parents!r}]")
+        for p in parents:
+            _check_str(p, "parent id", optional=False)
+        if edge_kind not in EDGE_KINDS:
+            raise ValidationError(f"unknown edge kind {edge_kind!r}; use one of {', '.join(EDGE_KINDS)}")
+        step_v = _check_int(step, "step")
+        if step_v is None:
+            self._step += 1
+            step_v = self._step
+        else:
+            self._step = max(self._step, step_v)
+        cost = dict(cost or {})
+        unknown = set(cost) - {"tokens_in", "tokens_out", "seconds", "usd"}
+        if unknown:
+            raise ValidationError(f"unknown cost field(s) {sorted(unknown)}; use tokens_in, tokens_out, seconds, usd")
+        vec = check_embedding(embedding, db.embedding_dim, f"embedding of node {node_id!r}")
+        row = {
+            "id": node_id,
+            "session_id": self.id,
+            "task_id": self.task_id,
+            "kind": kind,
+            "step": step_v,
+            "status": status,
+            "summary": summary,
+            "tokens_in": _check_int(cost.get("tokens_in"), "cost tokens_in"),
+            "tokens_out": _check_int(cost.get("tokens_out"), "cost tokens_out"),
+            "seconds": _check_float(cost.get("seconds"), "cost seconds"),
+            "usd": _check_float(cost.get("usd"), "cost usd"),
+            "source": source,
+            "embedding": vec,
+            "created_at": _now(),
+        }
+        missing = db._missing_nodes(list(parents))
+        if missing:
+            raise UnknownParentError(
+                f"parent {missing[0]!r} of node {node_id!r} does not exist; add the parent first "
+                f"(or flush it from the writer that made it)"
+            )
+        if id is not None:
+            existing = db._node_row(node_id)
+            if existing is not None:
+                same = all(existing.get(k) == row[k] for k in ("session_id", "kind", "summary", "source"))
+                if not same:
+                    raise DuplicateIdError(
+                        f"node id {node_id!r} already exists with different content "
+                        f"(session {existing.get('session_id')!r}, summary {existing.get('summary')!r}); "
+                        "use a new id, or omit id= to have one generated"
+                    )
+                return node_id  # idempotent retry of the same write
+        with db._sink() as b:
+            b.rows["nodes"].append(row)
+            b.nodes[node_id] = row
+            b.session_id = self.id
+            for p in parents:
+                b.rows["edges"].append({"src": p, "dst": node_id, "kind": edge_kind, "session_id": self.id})
+            for name, content in (artifacts or {}).items():
+                self._link_artifact(b, node_id, name, content, None)
+        return node_id
+
+    def add_edge(self, src: str, dst: str, kind: str = "derived_from") -> None:
+        """Add a typed lineage edge ``src -> dst`` between existing nodes."""
+        _check_str(src, "edge source", optional=False)
+        _check_str(dst, "edge target", optional=False)
+        if kind not in EDGE_KINDS:
+            raise ValidationError(f"unknown edge kind {kind!r}; use one of {', '.join(EDGE_KINDS)}")
+        missing = self._db._missing_nodes([src, dst])
+        if missing:
+            raise UnknownNodeError(f"edge {src!r} -> {dst!r}: node {missing[0]!r} does not exist")
+        if src == dst:
+            raise ValidationError(f"edge {src!r} -> {dst!r} is a self-loop; lineage edges join two different nodes")
+        with self._db._sink() as b:
+            b.rows["edges"].append({"src": src, "dst": dst, "kind": kind, "session_id": self.id})
+
+    def add_artifact(
+        self, node_id: str, name: str, content: str | bytes, media_type: str | None = None
+    ) -> str:
+        """Attach a content-addressed payload to a node; return its sha256 hash."""
+        _check_str(name, "artifact name", optional=False)
+        if self._db._missing_nodes([node_id]):
+            raise UnknownNodeError(f"artifact {name!r}: node {node_id!r} does not exist")
+        with self._db._sink() as b:
+            return self._link_artifact(b, node_id, name, content, media_type)
+
+    def _link_artifact(
+        self, b: Batch, node_id: str, name: str, content: str | bytes, media_type: str | None
+    ) -> str:
+        if isinstance(content, str):
+            data = content.encode()
+            media_type = media_type or "text/plain"
+        elif isinstance(content, bytes | bytearray | memoryview):
+            data = bytes(content)
+        else:
+            raise ValidationError(f"artifact {name!r} content must be str or bytes, got {type(content).__name__}")
+        h = content_hash(data)
+        if h not in b.hashes and not self._db._has_artifact(h):
+            b.rows["artifacts"].append({"hash": h, "media_type": media_type, "size": len(data), "content": data})
+            b.hashes.add(h)
+        b.rows["node_artifacts"].append({"node_id": node_id, "name": name, "hash": h})
+        return h
+
+    def add_reward(
+        self,
+        node_id: str,
+        channel: str,
+        value: float,
+        *,
+        verifier: str | None = None,
+        verifier_version: str | None = None,
+    ) -> None:
+        """Record a reward; a later reward on the same (node, channel) supersedes it."""
+        _check_str(channel, "reward channel", optional=False)
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            raise InvalidRewardError(
+                f"reward {channel!r} of node {node_id!r} must be a number, got {type(value).__name__} {value!r}"
+            )
+        if not math.isfinite(float(value)):
+            raise InvalidRewardError(
+                f"reward {channel!r} of node {node_id!r} is {float(value)!r}; rewards must be finite "
+                "(record a failed evaluation as a status, or as a separate channel)"
+            )
+        if self._db._missing_nodes([node_id]):
+            raise UnknownNodeError(f"reward {channel!r}: node {node_id!r} does not exist")
+        with self._db._sink() as b:
+            b.rows["rewards"].append(
+                {
+                    "node_id": node_id,
+                    "channel": channel,
+                    "value": float(value),
+                    "verifier": _check_str(verifier, "verifier"),
+                    "verifier_version": _check_str(verifier_version, "verifier_version"),
+                    "created_at": _now(),
+                }
+            )
+
+    def add_comparison(
+        self,
+        a: str,
+        b: str,
+        preferred: str | None,
+        *,
+        margin: float | None = None,
+        judge: str | None = None,
+        id: str | None = None,
+    ) -> str:
+        """Record a pairwise judgment; ``preferred`` is ``a``, ``b`` or None for a tie."""
+        if preferred is not None and preferred not in (a, b):
+            raise ValidationError(f"preferred {preferred!r} must be {a!r}, {b!r} or None (a tie)")
+        missing = self._db._missing_nodes([a, b])
+        if missing:
+            raise UnknownNodeError(f"comparison: node {missing[0]!r} does not exist")
+        cid = _check_str(id, "comparison id") or new_id()
+        with self._db._sink() as batch:
+            batch.rows["comparisons"].append(
+                {
+                    "id": cid,
+                    "a": a,
+                    "b": b,
+                    "preferred": preferred,
+                    "margin": _check_float(margin, "margin"),
+                    "judge": _check_str(judge, "judge"),
+                }
+            )
+        return cid
+
+    def set_status(self, node_id: str, status: str) -> None:
+        """Change a node's status (a new row; history keeps the old one)."""
+        _check_str(status, "status", optional=False)
+        self._db._set_status(node_id, status)
+
+
+def config_text(config: Mapping[str, Any] | str | None) -> str | None:
+    if config is None or isinstance(config, str):
+        return config
+    try:
+        return json.dumps(config, sort_keys=True, default=str)
+    except TypeError as e:
+        raise ValidationError(f"session config must be JSON-serializable: {e}") from e
