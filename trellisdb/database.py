@@ -48,7 +48,7 @@ from trellisdb.result import Result
 from trellisdb.schema import DATA_TABLES, FORMAT_VERSION
 from trellisdb.storage import log as commit_log
 from trellisdb.storage.lock import WriterLock
-from trellisdb.storage.tables import LanceTables
+from trellisdb.storage.tables import PRUNE_GRACE, LanceTables
 from trellisdb.writer import Batch, SessionWriter, _check_str, check_embedding, config_text
 
 MARKER = "trellis.json"
@@ -110,6 +110,12 @@ def _init_folder(path: str, dim: int) -> None:
 
 
 _OUR_FILES = {"tables", "commits.log", "LOCK", MARKER + ".tmp"}
+
+
+class Transaction:
+    """Handle of a :meth:`Database.transaction` block."""
+
+    commit_id: int | None = None
 
 
 class Database:
@@ -339,22 +345,24 @@ class Database:
             return self._commit(batch, message=None)
 
     @contextmanager
-    def transaction(self, message: str | None = None) -> Iterator[Database]:
+    def transaction(self, message: str | None = None) -> Iterator[Transaction]:
         """Commit every write made in the block (in this thread) as one commit.
 
         Nothing is visible to readers until the block ends; an exception
-        discards the writes.
+        discards the writes. After the block, ``tx.commit_id`` is the id of
+        the acknowledged commit (None if the block wrote nothing).
         """
         if self.in_transaction():
             raise TransactionError("transactions do not nest; commit the outer one first")
+        tx = Transaction()
         self._tx.batch = Batch()
         try:
-            yield self
+            yield tx
             batch = self._tx.batch
         finally:
             self._tx.batch = None
         if len(batch):
-            self._tx.last_commit = self._commit(batch, message=message)
+            tx.commit_id = self._commit(batch, message=message)
 
     def ingest(self, tables: Mapping[str, pa.Table], message: str | None = None) -> int:
         """Bulk-write whole Arrow tables (any subset of the data tables) as one commit.
@@ -414,18 +422,20 @@ class Database:
         self._log.append([{"op": "collected", "ids": dead}])
         self._log.refresh()
 
-    def compact(self) -> dict[str, Any]:
-        """Compact every table's fragments now and drop unneeded physical versions."""
+    def compact(self, prune_older_than: dt.timedelta = PRUNE_GRACE) -> dict[str, Any]:
+        """Compact every table's fragments now and drop physical versions older
+        than ``prune_older_than`` (default 10 minutes: readers in other processes
+        may still scan them; pass ``timedelta(0)`` when nothing else reads)."""
         self.flush()
         with self._lock.held():
-            return self._compact(only_if_fragmented=False)
+            return self._compact(only_if_fragmented=False, prune_older_than=prune_older_than)
 
-    def _compact(self, *, only_if_fragmented: bool) -> dict[str, Any]:
+    def _compact(self, *, only_if_fragmented: bool, prune_older_than: dt.timedelta = PRUNE_GRACE) -> dict[str, Any]:
         out: dict[str, Any] = {}
         for name in DATA_TABLES:
             if only_if_fragmented and self._tables.fragment_count(name) < self.compact_fragments:
                 continue
-            out[name] = self._tables.compact(name)
+            out[name] = self._tables.compact(name, prune_older_than)
         return out
 
     def tag(self, name: str, commit: int | None = None) -> int:

@@ -19,6 +19,11 @@ from trellisdb.errors import CorruptionError
 from trellisdb.schema import DATA_TABLES, table_schema
 
 
+#: Physical versions younger than this survive cleanup, so that concurrent
+#: readers of an older version (queries up to this long) never lose their files.
+PRUNE_GRACE = dt.timedelta(minutes=10)
+
+
 class LanceTables:
     def __init__(self, root: str) -> None:
         self.root = root
@@ -58,12 +63,13 @@ class LanceTables:
     def fragment_count(self, name: str) -> int:
         return len(self.dataset(name).get_fragments())
 
-    def compact(self, name: str) -> dict[str, Any]:
+    def compact(self, name: str, prune_older_than: dt.timedelta = PRUNE_GRACE) -> dict[str, Any]:
         ds = self.dataset(name)
         m = ds.optimize.compact_files(materialize_deletions=True)
         ds.checkout_latest()
-        # Old physical versions are not needed for logical time travel.
-        ds.cleanup_old_versions(older_than=dt.timedelta(seconds=0), delete_unverified=False)
+        # Old physical versions are not needed for logical time travel, but a
+        # reader in another process may still be scanning one: keep a grace period.
+        ds.cleanup_old_versions(older_than=prune_older_than, delete_unverified=False)
         return {"fragments_removed": m.fragments_removed, "fragments_added": m.fragments_added}
 
     def verify(self, name: str) -> list[str]:

@@ -1,0 +1,123 @@
+"""The `trellis` command: a thin layer over the library.
+
+    trellis [--db PATH] init | log | sql TEXT | tag NAME | compact | verify | demo
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import io
+import json
+import os
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import pyarrow as pa
+
+from trellisdb.errors import TrellisError
+
+
+def _default_db() -> str:
+    return os.environ.get("TRELLIS_DB", "./trellis.db")
+
+
+def _cell(v: Any) -> str:
+    if v is None:
+        return ""
+    if isinstance(v, bytes):
+        return f"<{len(v)} bytes>"
+    if isinstance(v, float):
+        return f"{v:.6g}"
+    s = str(v)
+    return s if len(s) <= 60 else s[:57] + "..."
+
+
+def format_table(t: pa.Table, fmt: str) -> str:
+    rows = t.to_pylist()
+    if fmt == "json":
+        return "\n".join(json.dumps(r, default=str) for r in rows)
+    if fmt == "csv":
+        buf = io.StringIO()
+        w = csv.DictWriter(buf, fieldnames=t.column_names)
+        w.writeheader()
+        for r in rows:
+            w.writerow({k: _cell(v) if isinstance(v, bytes) else v for k, v in r.items()})
+        return buf.getvalue().rstrip("\n")
+    cols = t.column_names
+    cells = [[_cell(r[c]) for c in cols] for r in rows]
+    widths = [max([len(c)] + [len(row[i]) for row in cells]) for i, c in enumerate(cols)]
+    line = "  ".join(c.ljust(w) for c, w in zip(cols, widths, strict=True))
+    out = [line, "  ".join("-" * w for w in widths)]
+    out += ["  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)) for row in cells]
+    out.append(f"({len(rows)} row{'s' if len(rows) != 1 else ''})")
+    return "\n".join(out)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="trellis", description="trellisdb: experience-graph database")
+    p.add_argument("--db", default=None, help="database folder (default: $TRELLIS_DB or ./trellis.db)")
+    sub = p.add_subparsers(dest="command", required=True)
+    init = sub.add_parser("init", help="create a database")
+    init.add_argument("--embedding-dim", type=int, default=None, help="embedding dimension (default 384)")
+    sub.add_parser("log", help="list the commits")
+    sql = sub.add_parser("sql", help="run DuckDB SQL over the tables")
+    sql.add_argument("text")
+    sql.add_argument("--as-of", default=None, help="commit id, tag or ISO timestamp")
+    sql.add_argument("--format", choices=["table", "json", "csv"], default="table")
+    tag = sub.add_parser("tag", help="name a commit")
+    tag.add_argument("name")
+    tag.add_argument("--commit", type=int, default=None)
+    sub.add_parser("compact", help="compact the tables now")
+    sub.add_parser("verify", help="read every file; report damage")
+    demo = sub.add_parser("demo", help="run a small simulated search into the database")
+    demo.add_argument("--sessions", type=int, default=3)
+    demo.add_argument("--steps", type=int, default=12)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    path = args.db or _default_db()
+    try:
+        return _run(args, path)
+    except TrellisError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+
+
+def _run(args: argparse.Namespace, path: str) -> int:
+    from trellisdb.database import connect
+
+    if args.command == "init":
+        db = connect(path, embedding_dim=args.embedding_dim)
+        print(f"initialized {path} (embedding dimension {db.embedding_dim})")
+        return 0
+    if args.command == "demo":
+        from trellisdb.demo import run_demo
+
+        run_demo(path, sessions=args.sessions, steps=args.steps)
+        return 0
+    db = connect(path, create=False)
+    if args.command == "log":
+        t = pa.Table.from_pylist(db.log()) if db.log() else pa.table({"id": pa.array([], pa.int64())})
+        print(format_table(t, "table"))
+    elif args.command == "sql":
+        print(format_table(db.sql(args.text, as_of=args.as_of).to_arrow(), args.format))
+    elif args.command == "tag":
+        cid = db.tag(args.name, args.commit)
+        print(f"tagged commit {cid} as {args.name!r}")
+    elif args.command == "compact":
+        out = db.compact()
+        for name, m in out.items():
+            print(f"{name}: {m['fragments_removed']} fragments -> {m['fragments_added']}")
+    elif args.command == "verify":
+        problems = db.verify()
+        for pr in problems:
+            print(f"DAMAGED {pr}")
+        if problems:
+            return 1
+        print(f"ok: {path} is healthy ({len(db.log())} commits)")
+    db.close()
+    return 0
