@@ -67,7 +67,7 @@ def test_four_processes_write_concurrently(tmp_path: Path) -> None:
         assert row["n"] == row["r"] == row["a"], row
         snapshots += 1
     for p in procs:
-        out, err = p.communicate()
+        _out, err = p.communicate()
         assert p.returncode == 0, err
     assert snapshots > 0
     db = trellisdb.connect(dbp)

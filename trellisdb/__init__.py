@@ -1,12 +1,12 @@
 """trellisdb: a database for the experience graphs of long-horizon agents.
 
-    >>> import tempfile, trellisdb
-    >>> db = trellisdb.connect(tempfile.mkdtemp() + "/db", embedding_dim=4)
-    >>> with db.session(task="demo", agent="me") as s:
-    ...     n = s.add_node(summary="first attempt")
-    ...     s.add_reward(n, "score", 1.0)
-    >>> db.sql("SELECT channel, value FROM rewards").to_pylist()
-    [{'channel': 'score', 'value': 1.0}]
+>>> import tempfile, trellisdb
+>>> db = trellisdb.connect(tempfile.mkdtemp() + "/db", embedding_dim=4)
+>>> with db.session(task="demo", agent="me") as s:
+...     n = s.add_node(summary="first attempt")
+...     s.add_reward(n, "score", 1.0)
+>>> db.sql("SELECT channel, value FROM rewards").to_pylist()
+[{'channel': 'score', 'value': 1.0}]
 """
 
 from __future__ import annotations
@@ -35,8 +35,23 @@ from trellisdb.writer import SessionWriter
 __version__ = "0.1.0"
 
 __all__ = [
-    "CorruptionError", "Database", "DuplicateIdError", "EmbeddingDimensionError", "FormatVersionError",
-    "InvalidRewardError", "NotADatabaseError", "QueryError", "Result", "SessionWriter", "TransactionError",
-    "TrellisError", "UnknownCommitError", "UnknownNodeError", "UnknownParentError", "UnknownSessionError",
-    "UnknownTagError", "ValidationError", "connect",
+    "CorruptionError",
+    "Database",
+    "DuplicateIdError",
+    "EmbeddingDimensionError",
+    "FormatVersionError",
+    "InvalidRewardError",
+    "NotADatabaseError",
+    "QueryError",
+    "Result",
+    "SessionWriter",
+    "TransactionError",
+    "TrellisError",
+    "UnknownCommitError",
+    "UnknownNodeError",
+    "UnknownParentError",
+    "UnknownSessionError",
+    "UnknownTagError",
+    "ValidationError",
+    "connect",
 ]

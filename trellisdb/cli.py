@@ -1,6 +1,6 @@
 """The `trellis` command: a thin layer over the library.
 
-    trellis [--db PATH] init | log | sql TEXT | tag NAME | compact | verify | demo
+trellis [--db PATH] init | log | sql TEXT | tag NAME | compact | verify | demo
 """
 
 from __future__ import annotations

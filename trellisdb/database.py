@@ -1,23 +1,24 @@
 """The database handle: open/create, commits, group commit, time travel, SQL.
 
-    >>> import tempfile, trellisdb
-    >>> db = trellisdb.connect(tempfile.mkdtemp() + "/db", embedding_dim=4)
-    >>> with db.transaction(message="seed"):
-    ...     s = db.session(task="t1", agent="a")
-    ...     n = s.add_node(id="n1", summary="root")
-    >>> first = db.log()[-1]["id"]
-    >>> _ = db.tag("seeded")
-    >>> with db.session(task="t1", agent="a") as s2:
-    ...     _ = s2.add_node(parents=["n1"], summary="child")
-    >>> db.sql("SELECT count(*) AS n FROM nodes").to_pylist()
-    [{'n': 2}]
-    >>> db.sql("SELECT count(*) AS n FROM nodes", as_of="seeded").to_pylist()
-    [{'n': 1}]
+>>> import tempfile, trellisdb
+>>> db = trellisdb.connect(tempfile.mkdtemp() + "/db", embedding_dim=4)
+>>> with db.transaction(message="seed"):
+...     s = db.session(task="t1", agent="a")
+...     n = s.add_node(id="n1", summary="root")
+>>> first = db.log()[-1]["id"]
+>>> _ = db.tag("seeded")
+>>> with db.session(task="t1", agent="a") as s2:
+...     _ = s2.add_node(parents=["n1"], summary="child")
+>>> db.sql("SELECT count(*) AS n FROM nodes").to_pylist()
+[{'n': 2}]
+>>> db.sql("SELECT count(*) AS n FROM nodes", as_of="seeded").to_pylist()
+[{'n': 1}]
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import datetime as dt
 import json
 import os
@@ -61,10 +62,8 @@ _open_dbs: weakref.WeakSet[Database] = weakref.WeakSet()
 @atexit.register
 def _flush_all() -> None:  # a clean interpreter exit loses nothing pending
     for db in list(_open_dbs):
-        try:
+        with contextlib.suppress(Exception):  # exiting: nothing to report to
             db.close()
-        except Exception:  # noqa: S110 - exiting; nothing to report to
-            pass
 
 
 def connect(
@@ -144,8 +143,7 @@ class Database:
             entries = set(os.listdir(path)) if os.path.isdir(path) else set()
             if entries - _OUR_FILES:
                 raise NotADatabaseError(
-                    f"{path} is not a trellisdb database (no {MARKER}) and is not empty; "
-                    "choose an empty or new folder"
+                    f"{path} is not a trellisdb database (no {MARKER}) and is not empty; choose an empty or new folder"
                 )
             if not create:
                 raise NotADatabaseError(f"{path} is not a trellisdb database; run `trellis init --db {path}`")
@@ -231,9 +229,12 @@ class Database:
 
     def resume(self, session_id: str) -> SessionWriter:
         """A writer for an existing session (e.g. after the agent restarted)."""
-        rows = self.sql("SELECT task_id, coalesce(max_step, 0) AS s FROM sessions LEFT JOIN "
-                        "(SELECT session_id, max(step) AS max_step FROM nodes GROUP BY 1) m "
-                        "ON m.session_id = sessions.id WHERE id = $1", params=[session_id]).to_pylist()
+        rows = self.sql(
+            "SELECT task_id, coalesce(max_step, 0) AS s FROM sessions LEFT JOIN "
+            "(SELECT session_id, max(step) AS max_step FROM nodes GROUP BY 1) m "
+            "ON m.session_id = sessions.id WHERE id = $1",
+            params=[session_id],
+        ).to_pylist()
         if not rows:
             raise UnknownSessionError(f"session {session_id!r} does not exist")
         w = SessionWriter(self, session_id, rows[0]["task_id"])
@@ -256,22 +257,33 @@ class Database:
         return id
 
     def _add_task_row(
-        self, b: Batch, id: str, name: str | None, spec: str | None,
-        tags: Sequence[str] | None, embedding: Sequence[float] | None,
+        self,
+        b: Batch,
+        id: str,
+        name: str | None,
+        spec: str | None,
+        tags: Sequence[str] | None,
+        embedding: Sequence[float] | None,
     ) -> None:
-        b.rows["tasks"].append({
-            "id": id, "name": _check_str(name, "task name"), "spec": _check_str(spec, "task spec"),
-            "tags": list(tags) if tags else None,
-            "embedding": check_embedding(embedding, self.embedding_dim, f"embedding of task {id!r}"),
-            "created_at": dt.datetime.now(dt.UTC),
-        })
+        b.rows["tasks"].append(
+            {
+                "id": id,
+                "name": _check_str(name, "task name"),
+                "spec": _check_str(spec, "task spec"),
+                "tags": list(tags) if tags else None,
+                "embedding": check_embedding(embedding, self.embedding_dim, f"embedding of task {id!r}"),
+                "created_at": dt.datetime.now(dt.UTC),
+            }
+        )
         b.tasks.add(id)
 
     def _write_session_status(self, session_id: str, status: str) -> None:
         with self._sink() as b:
             row = b.sessions.get(session_id)
             if row is None:
-                cur = self.sql("SELECT * EXCLUDE (commit_id) FROM sessions WHERE id = $1", params=[session_id]).to_pylist()
+                cur = self.sql(
+                    "SELECT * EXCLUDE (commit_id) FROM sessions WHERE id = $1", params=[session_id]
+                ).to_pylist()
                 if not cur:
                     raise UnknownSessionError(f"session {session_id!r} does not exist")
                 row = cur[0]
@@ -389,18 +401,28 @@ class Database:
             self._log.append([{"op": "begin", "id": cid}])
             data = batch.to_arrow(self.embedding_dim, cid)
             for name, t in (extra or {}).items():
-                t = t.set_column(t.schema.get_field_index("commit_id"), "commit_id",
-                                 pa.array([cid] * t.num_rows, pa.int64()))
+                t = t.set_column(
+                    t.schema.get_field_index("commit_id"), "commit_id", pa.array([cid] * t.num_rows, pa.int64())
+                )
                 data[name] = pa.concat_tables([data[name], t]) if name in data else t
             rows = 0
             for name in DATA_TABLES:
                 if name in data and data[name].num_rows:
                     self._tables.append(name, data[name])
                     rows += data[name].num_rows
-            self._log.append([{
-                "op": "commit", "id": cid, "time": time.time(), "writer": self._writer_name,
-                "session": batch.session_id, "message": message, "rows": rows,
-            }])
+            self._log.append(
+                [
+                    {
+                        "op": "commit",
+                        "id": cid,
+                        "time": time.time(),
+                        "writer": self._writer_name,
+                        "session": batch.session_id,
+                        "message": message,
+                        "rows": rows,
+                    }
+                ]
+            )
             self._log.refresh()
             self._known_nodes.update(batch.nodes)
             self._known_hashes.update(batch.hashes)
@@ -460,7 +482,8 @@ class Database:
         st = self._log.refresh()
         from trellisdb.reader import commits_table
 
-        return commits_table(st, st.last_committed).to_pylist()
+        rows: list[dict[str, Any]] = commits_table(st, st.last_committed).to_pylist()
+        return rows
 
     def tags(self) -> dict[str, int]:
         return dict(self._log.refresh().tags)
@@ -475,7 +498,9 @@ class Database:
         if isinstance(as_of, int):
             if as_of == 0 or as_of in st.commits:
                 return as_of
-            raise UnknownCommitError(f"commit {as_of} does not exist (last commit is {st.last_committed}); see `trellis log`")
+            raise UnknownCommitError(
+                f"commit {as_of} does not exist (last commit is {st.last_committed}); see `trellis log`"
+            )
         if isinstance(as_of, str):
             if as_of in st.tags:
                 return st.tags[as_of]
@@ -518,7 +543,7 @@ class Database:
     def _exists(self, table: str, col: str, value: str) -> bool:
         st = self._log.refresh()
         t = self._engine.run(st, st.last_committed, f"SELECT 1 FROM {table}_history WHERE {col} = $1 LIMIT 1", [value])
-        return t.num_rows > 0
+        return bool(t.num_rows > 0)
 
     def _missing_nodes(self, ids: list[str]) -> list[str]:
         """The ids among ``ids`` that are neither pending nor committed."""
@@ -530,9 +555,16 @@ class Database:
         if not todo:
             return []
         st = self._log.refresh()
-        found = self._engine.run(
-            st, st.last_committed, "SELECT DISTINCT id FROM nodes_history WHERE id IN (SELECT unnest($1::VARCHAR[]))", [todo]
-        ).column("id").to_pylist()
+        found = (
+            self._engine.run(
+                st,
+                st.last_committed,
+                "SELECT DISTINCT id FROM nodes_history WHERE id IN (SELECT unnest($1::VARCHAR[]))",
+                [todo],
+            )
+            .column("id")
+            .to_pylist()
+        )
         self._known_nodes.update(found)
         return [i for i in todo if i not in set(found)]
 

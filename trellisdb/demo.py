@@ -61,13 +61,21 @@ def run_demo(path: str, *, sessions: int = 3, steps: int = 12, seed: int = 7) ->
             db.tag(halfway_tag)
 
     print(f"wrote {len(db.log())} commits into {path}\n")
-    print(format_table(db.sql(
-        "SELECT s.id AS session, count(n.id) AS nodes, max(r.value) AS best_score "
-        "FROM sessions s JOIN nodes n ON n.session_id = s.id "
-        "LEFT JOIN rewards r ON r.node_id = n.id AND r.channel = 'combined_score' "
-        "GROUP BY s.id ORDER BY min(n.commit_id)").to_arrow(), "table"))
-    q = ("SELECT n.id, n.summary, r.value AS combined_score FROM nodes n JOIN rewards r "
-         "ON r.node_id = n.id AND r.channel = 'combined_score' ORDER BY r.value DESC, n.id LIMIT 3")
+    print(
+        format_table(
+            db.sql(
+                "SELECT s.id AS session, count(n.id) AS nodes, max(r.value) AS best_score "
+                "FROM sessions s JOIN nodes n ON n.session_id = s.id "
+                "LEFT JOIN rewards r ON r.node_id = n.id AND r.channel = 'combined_score' "
+                "GROUP BY s.id ORDER BY min(n.commit_id)"
+            ).to_arrow(),
+            "table",
+        )
+    )
+    q = (
+        "SELECT n.id, n.summary, r.value AS combined_score FROM nodes n JOIN rewards r "
+        "ON r.node_id = n.id AND r.channel = 'combined_score' ORDER BY r.value DESC, n.id LIMIT 3"
+    )
     print("\nbest programs now:")
     print(format_table(db.sql(q).to_arrow(), "table"))
     print(f"\nbest programs AS OF tag {halfway_tag!r} (what the agent knew then):")

@@ -1,8 +1,8 @@
 """Generated ids: time-ordered, unique across processes.
 
-    >>> a, b = new_id(), new_id()
-    >>> len(a) == 24 and a != b
-    True
+>>> a, b = new_id(), new_id()
+>>> len(a) == 24 and a != b
+True
 """
 
 from __future__ import annotations

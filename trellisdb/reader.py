@@ -25,7 +25,7 @@ from trellisdb.schema import COMMITS_SCHEMA, DATA_TABLES, KEYS
 from trellisdb.storage.log import LogState
 from trellisdb.storage.tables import LanceTables
 
-DUCKDB_CONFIG = {
+DUCKDB_CONFIG: dict[str, str | bool | int | float | list[str]] = {
     "autoinstall_known_extensions": False,
     "autoload_known_extensions": False,
 }
@@ -39,7 +39,9 @@ def commits_table(state: LogState, upto: int) -> pa.Table:
     return pa.table(
         {
             "id": pa.array([r["id"] for r in recs], pa.int64()),
-            "time": pa.array([int(r["time"] * 1_000_000) for r in recs], pa.int64()).cast(COMMITS_SCHEMA.field("time").type),
+            "time": pa.array([int(r["time"] * 1_000_000) for r in recs], pa.int64()).cast(
+                COMMITS_SCHEMA.field("time").type
+            ),
             "writer": [r.get("writer") for r in recs],
             "session_id": [r.get("session") for r in recs],
             "message": [r.get("message") for r in recs],
@@ -97,6 +99,8 @@ class SqlEngine:
                 return pa.table({})
             return rel.to_arrow_table()
         except duckdb.IOException as e:
-            raise CorruptionError(f"reading the tables failed: {e}; run `trellis verify` to find the damaged file") from e
+            raise CorruptionError(
+                f"reading the tables failed: {e}; run `trellis verify` to find the damaged file"
+            ) from e
         except duckdb.Error as e:
             raise QueryError(f"SQL failed: {e}") from e

@@ -1,9 +1,9 @@
 """Query results: a materialized Arrow table with DataFrame conveniences.
 
-    >>> import pyarrow as pa
-    >>> r = Result(pa.table({"x": [1, 2]}))
-    >>> r.to_pylist()
-    [{'x': 1}, {'x': 2}]
+>>> import pyarrow as pa
+>>> r = Result(pa.table({"x": [1, 2]}))
+>>> r.to_pylist()
+[{'x': 1}, {'x': 2}]
 """
 
 from __future__ import annotations
@@ -34,14 +34,15 @@ class Result:
         return df
 
     def to_pylist(self) -> list[dict[str, Any]]:
-        return self._table.to_pylist()
+        rows: list[dict[str, Any]] = self._table.to_pylist()
+        return rows
 
     @property
     def columns(self) -> list[str]:
         return list(self._table.column_names)
 
     def __len__(self) -> int:
-        return self._table.num_rows
+        return int(self._table.num_rows)
 
     def __repr__(self) -> str:
         return f"Result({self._table.num_rows} rows: {', '.join(self.columns)})"

@@ -82,7 +82,9 @@ def _edges(dim: int) -> list[pa.Field]:
     return [
         _f("src", pa.string(), "parent / source node id", False),
         _f("dst", pa.string(), "child / derived node id", False),
-        _f("kind", pa.string(), "derived_from | repair_of | crossover_of | inspired_by | retrieved | depends_on", False),
+        _f(
+            "kind", pa.string(), "derived_from | repair_of | crossover_of | inspired_by | retrieved | depends_on", False
+        ),
         _f("session_id", pa.string(), "session that recorded the edge"),
     ]
 

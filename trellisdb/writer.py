@@ -1,13 +1,13 @@
 """Pending writes and the session writer an agent uses.
 
-    >>> import tempfile, trellisdb
-    >>> db = trellisdb.connect(tempfile.mkdtemp() + "/db", embedding_dim=4)
-    >>> with db.session(task="circle-packing", agent="evolve", model="m") as s:
-    ...     root = s.add_node(summary="initial program", artifacts={"code": "print(1)"})
-    ...     child = s.add_node(parents=[root], summary="mutated")
-    ...     s.add_reward(child, "score", 0.7, verifier="eval.py")
-    >>> db.sql("SELECT count(*) AS n FROM nodes").to_pylist()
-    [{'n': 2}]
+>>> import tempfile, trellisdb
+>>> db = trellisdb.connect(tempfile.mkdtemp() + "/db", embedding_dim=4)
+>>> with db.session(task="circle-packing", agent="evolve", model="m") as s:
+...     root = s.add_node(summary="initial program", artifacts={"code": "print(1)"})
+...     child = s.add_node(parents=[root], summary="mutated")
+...     s.add_reward(child, "score", 0.7, verifier="eval.py")
+>>> db.sql("SELECT count(*) AS n FROM nodes").to_pylist()
+[{'n': 2}]
 """
 
 from __future__ import annotations
@@ -135,9 +135,7 @@ class SessionWriter:
     def __enter__(self) -> SessionWriter:
         return self
 
-    def __exit__(
-        self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
-    ) -> None:
+    def __exit__(self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None) -> None:
         if not self._closed:
             self.close(status="failed" if et is not None else "completed")
 
@@ -171,7 +169,9 @@ class SessionWriter:
         _check_str(summary, "summary")
         _check_str(source, "source")
         if isinstance(parents, str):
-            raise ValidationError(f"parents must be a list of node ids, got the string {parents!r}; write parents=[{parents!r}]")
+            raise ValidationError(
+                f"parents must be a list of node ids, got the string {parents!r}; write parents=[{parents!r}]"
+            )
         for p in parents:
             _check_str(p, "parent id", optional=False)
         if edge_kind not in EDGE_KINDS:
@@ -244,9 +244,7 @@ class SessionWriter:
         with self._db._sink() as b:
             b.rows["edges"].append({"src": src, "dst": dst, "kind": kind, "session_id": self.id})
 
-    def add_artifact(
-        self, node_id: str, name: str, content: str | bytes, media_type: str | None = None
-    ) -> str:
+    def add_artifact(self, node_id: str, name: str, content: str | bytes, media_type: str | None = None) -> str:
         """Attach a content-addressed payload to a node; return its sha256 hash."""
         _check_str(name, "artifact name", optional=False)
         if self._db._missing_nodes([node_id]):
@@ -254,9 +252,7 @@ class SessionWriter:
         with self._db._sink() as b:
             return self._link_artifact(b, node_id, name, content, media_type)
 
-    def _link_artifact(
-        self, b: Batch, node_id: str, name: str, content: str | bytes, media_type: str | None
-    ) -> str:
+    def _link_artifact(self, b: Batch, node_id: str, name: str, content: str | bytes, media_type: str | None) -> str:
         if isinstance(content, str):
             data = content.encode()
             media_type = media_type or "text/plain"

@@ -18,7 +18,6 @@ import pyarrow as pa
 from trellisdb.errors import CorruptionError
 from trellisdb.schema import DATA_TABLES, table_schema
 
-
 #: Physical versions younger than this survive cleanup, so that concurrent
 #: readers of an older version (queries up to this long) never lose their files.
 PRUNE_GRACE = dt.timedelta(minutes=10)
@@ -45,7 +44,7 @@ class LanceTables:
             if ds is None:
                 ds = lance.dataset(self.uri(name))
             elif refresh:
-                ds.checkout_latest()
+                ds.checkout_latest()  # type: ignore[no-untyped-call]
         except (OSError, ValueError, RuntimeError) as e:
             raise CorruptionError(
                 f"table {name!r} at {self.uri(name)} cannot be opened ({e}); run `trellis verify`"
@@ -66,7 +65,7 @@ class LanceTables:
     def compact(self, name: str, prune_older_than: dt.timedelta = PRUNE_GRACE) -> dict[str, Any]:
         ds = self.dataset(name)
         m = ds.optimize.compact_files(materialize_deletions=True)
-        ds.checkout_latest()
+        ds.checkout_latest()  # type: ignore[no-untyped-call]
         # Old physical versions are not needed for logical time travel, but a
         # reader in another process may still be scanning one: keep a grace period.
         ds.cleanup_old_versions(older_than=prune_older_than, delete_unverified=False)
