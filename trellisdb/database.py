@@ -574,7 +574,8 @@ class Database:
                 return b.nodes[node_id]
         st = self._log.refresh()
         rows = self._engine.run(
-            st, st.last_committed, "SELECT * EXCLUDE (commit_id) FROM nodes WHERE id = $1", [node_id]
+            st, st.last_committed, "SELECT * EXCLUDE (commit_id) FROM nodes_history WHERE id = $1 ORDER BY commit_id DESC LIMIT 1",
+            [node_id]
         ).to_pylist()
         return rows[0] if rows else None
 

@@ -13,6 +13,7 @@ DuckDB specifics stay in this module.
 
 from __future__ import annotations
 
+import re
 import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -70,20 +71,33 @@ class SqlEngine:
         """A connection whose views show the database as of ``snapshot``."""
         con = self._con()
         aborted = state.aborted(below=snapshot)
+        registered: dict[str, int] = getattr(self._local, "registered", {})
+        for name in DATA_TABLES:
+            ds = self._tables.dataset(name)  # refreshed to the latest physical version
+            if registered.get(name) != id(ds):
+                con.register(f"__lance_{name}", ds)
+                registered[name] = id(ds)
+        self._local.registered = registered
+        key = (snapshot, tuple(aborted))
+        if getattr(self._local, "views_key", None) != key:
+            self._create_views(con, snapshot, aborted)
+            self._local.views_key = key
+        if getattr(self._local, "commits_key", None) != (snapshot, len(state.commits), len(state.tags)):
+            con.register("commits", commits_table(state, snapshot))
+            self._local.commits_key = (snapshot, len(state.commits), len(state.tags))
+        return con
+
+    def _create_views(self, con: duckdb.DuckDBPyConnection, snapshot: int, aborted: list[int]) -> None:
         visible = f"commit_id <= {int(snapshot)}"
         if aborted:
             visible += f" AND commit_id NOT IN ({', '.join(str(int(i)) for i in aborted)})"
         for name in DATA_TABLES:
-            ds = self._tables.dataset(name)
-            con.register(f"__lance_{name}", ds)
             keys = ", ".join(KEYS[name])
             con.execute(f"CREATE OR REPLACE TEMP VIEW {name}_history AS SELECT * FROM __lance_{name} WHERE {visible}")
             con.execute(
                 f"CREATE OR REPLACE TEMP VIEW {name} AS SELECT * FROM {name}_history "
                 f"QUALIFY row_number() OVER (PARTITION BY {keys} ORDER BY commit_id DESC) = 1"
             )
-        con.register("commits", commits_table(state, snapshot))
-        return con
 
     def run(
         self,
@@ -103,4 +117,9 @@ class SqlEngine:
                 f"reading the tables failed: {e}; run `trellis verify` to find the damaged file"
             ) from e
         except duckdb.Error as e:
+            m = re.search(r"registered as '__lance_(\w+)' failed", str(e))
+            if m:
+                raise CorruptionError(
+                    f"table {m.group(1)!r} could not be read ({e}); run `trellis verify` to name the damaged file"
+                ) from e
             raise QueryError(f"SQL failed: {e}") from e

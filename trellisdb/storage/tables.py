@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime as dt
 import os
+import threading
 from typing import Any
 
 import lance
@@ -26,7 +27,16 @@ PRUNE_GRACE = dt.timedelta(minutes=10)
 class LanceTables:
     def __init__(self, root: str) -> None:
         self.root = root
-        self._open: dict[str, lance.LanceDataset] = {}
+        # Dataset objects are not safe to share between threads (a scan in one
+        # and a checkout in another collide), so each thread keeps its own.
+        self._local = threading.local()
+
+    @property
+    def _open(self) -> dict[str, lance.LanceDataset]:
+        cache: dict[str, lance.LanceDataset] | None = getattr(self._local, "open", None)
+        if cache is None:
+            cache = self._local.open = {}
+        return cache
 
     def uri(self, name: str) -> str:
         return os.path.join(self.root, f"{name}.lance")
@@ -40,11 +50,12 @@ class LanceTables:
     def dataset(self, name: str, refresh: bool = True) -> lance.LanceDataset:
         """The dataset at its latest physical version."""
         ds = self._open.get(name)
-        try:
-            if ds is None:
-                ds = lance.dataset(self.uri(name))
-            elif refresh:
+        if ds is not None:
+            if refresh:
                 ds.checkout_latest()  # type: ignore[no-untyped-call]
+            return ds
+        try:
+            ds = lance.dataset(self.uri(name))
         except (OSError, ValueError, RuntimeError) as e:
             raise CorruptionError(
                 f"table {name!r} at {self.uri(name)} cannot be opened ({e}); run `trellis verify`"
