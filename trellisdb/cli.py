@@ -69,7 +69,10 @@ def build_parser() -> argparse.ArgumentParser:
     tag = sub.add_parser("tag", help="name a commit")
     tag.add_argument("name")
     tag.add_argument("--commit", type=int, default=None)
-    sub.add_parser("compact", help="compact the tables now")
+    compact = sub.add_parser("compact", help="compact the tables now")
+    compact.add_argument(
+        "--prune-now", action="store_true", help="also delete old physical versions at once (no other reader running)"
+    )
     sub.add_parser("verify", help="read every file; report damage")
     demo = sub.add_parser("demo", help="run a small simulated search into the database")
     demo.add_argument("--sessions", type=int, default=3)
@@ -109,7 +112,9 @@ def _run(args: argparse.Namespace, path: str) -> int:
         cid = db.tag(args.name, args.commit)
         print(f"tagged commit {cid} as {args.name!r}")
     elif args.command == "compact":
-        out = db.compact()
+        import datetime as dt
+
+        out = db.compact(dt.timedelta(0)) if args.prune_now else db.compact()
         for name, m in out.items():
             print(f"{name}: {m['fragments_removed']} fragments -> {m['fragments_added']}")
     elif args.command == "verify":
