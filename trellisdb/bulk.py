@@ -86,7 +86,7 @@ def prepare_bulk(db: Database, tables: Mapping[str, pa.Table]) -> dict[str, pa.T
         clash = _present(db, "nodes", "id", node_ids)
         if clash:
             raise DuplicateIdError(f"node id {clash[0]!r} already exists; bulk ingest writes new nodes only")
-        sess = pc.unique(nodes.column("session_id")).combine_chunks() if nodes.num_rows else empty
+        sess = pc.unique(nodes.column("session_id")) if nodes.num_rows else empty
         if "sessions" in out:
             sess = pc.filter(sess, pc.invert(pc.is_in(sess, out["sessions"].column("id"))))
         miss = _missing(db, "sessions", "id", sess)
@@ -95,7 +95,7 @@ def prepare_bulk(db: Database, tables: Mapping[str, pa.Table]) -> dict[str, pa.T
     for name, col in (("edges", "src"), ("edges", "dst"), ("rewards", "node_id"), ("node_artifacts", "node_id")):
         if name not in out:
             continue
-        want = pc.unique(out[name].column(col)).combine_chunks()
+        want = pc.unique(out[name].column(col))
         want = pc.filter(want, pc.invert(pc.is_in(want, node_ids)))
         miss = _missing(db, "nodes", "id", want)
         if miss:

@@ -218,9 +218,8 @@ class Database:
             "status": "running",
             "created_at": dt.datetime.now(dt.UTC),
         }
-        need_task = not self._exists("tasks", "id", task)
         with self._sink() as b:
-            if need_task and task not in b.tasks:
+            if task not in b.tasks and not self._exists("tasks", "id", task):
                 self._add_task_row(b, task, task, task_spec, None, None)
             b.rows["sessions"].append(row)
             b.sessions[sid] = row
@@ -547,6 +546,12 @@ class Database:
 
     def _missing_nodes(self, ids: list[str]) -> list[str]:
         """The ids among ``ids`` that are neither pending nor committed."""
+        # Under the state lock: a group commit moving rows from pending to the
+        # store must not make them invisible to this check half-way.
+        with self._state_lock:
+            return self._missing_nodes_locked(ids)
+
+    def _missing_nodes_locked(self, ids: list[str]) -> list[str]:
         pending: set[str] = set(self._pending.nodes)
         tx = getattr(self._tx, "batch", None)
         if tx is not None:
@@ -569,6 +574,10 @@ class Database:
         return [i for i in todo if i not in set(found)]
 
     def _node_row(self, node_id: str) -> dict[str, Any] | None:
+        with self._state_lock:
+            return self._node_row_locked(node_id)
+
+    def _node_row_locked(self, node_id: str) -> dict[str, Any] | None:
         for b in (getattr(self._tx, "batch", None), self._pending):
             if b is not None and node_id in b.nodes:
                 return b.nodes[node_id]
@@ -580,7 +589,7 @@ class Database:
         return rows[0] if rows else None
 
     def _has_artifact(self, h: str) -> bool:
-        if h in self._known_hashes:
+        if h in self._known_hashes or h in self._pending.hashes:
             return True
         if self._exists("artifacts", "hash", h):
             self._known_hashes.add(h)
