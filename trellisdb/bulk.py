@@ -12,6 +12,7 @@ from trellisdb.errors import (
     DuplicateIdError,
     EmbeddingDimensionError,
     InvalidRewardError,
+    UnknownNodeError,
     UnknownParentError,
     UnknownSessionError,
     ValidationError,
@@ -41,6 +42,10 @@ def conform(name: str, t: pa.Table, dim: int) -> pa.Table:
                     raise EmbeddingDimensionError(
                         f"{name}.{f.name} has vectors of dimension {bad[0]}; this database's dimension is {dim}"
                     )
+            if pa.types.is_fixed_size_list(f.type):
+                flat = pc.list_flatten(col)
+                if len(flat) and not pc.all(pc.is_finite(flat.cast(pa.float64()))).as_py():
+                    raise ValidationError(f"{name}.{f.name} contains NaN or infinite values")
             try:
                 col = col.cast(f.type)
             except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as e:
@@ -99,7 +104,7 @@ def prepare_bulk(db: Database, tables: Mapping[str, pa.Table]) -> dict[str, pa.T
         want = pc.filter(want, pc.invert(pc.is_in(want, node_ids)))
         miss = _missing(db, "nodes", "id", want)
         if miss:
-            err = UnknownParentError if col == "src" else ValidationError
+            err = UnknownParentError if col == "src" else UnknownNodeError
             raise err(f"{name}.{col} names node {miss[0]!r}, which does not exist")
     if "rewards" in out:
         v = out["rewards"].column("value")

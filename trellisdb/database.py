@@ -264,6 +264,8 @@ class Database:
         tags: Sequence[str] | None,
         embedding: Sequence[float] | None,
     ) -> None:
+        if isinstance(tags, str) or (tags is not None and not all(isinstance(t, str) for t in tags)):
+            raise ValidationError(f"tags of task {id!r} must be a list of strings, got {tags!r}")
         b.rows["tasks"].append(
             {
                 "id": id,
@@ -290,8 +292,9 @@ class Database:
                 b.sessions[session_id] = row
             row["status"] = status
 
-    def _set_status(self, node_id: str, status: str) -> None:
+    def _set_status(self, node_id: str, status: str, session_id: str | None = None) -> None:
         with self._sink() as b:
+            b.session_id = session_id or b.session_id
             row = b.nodes.get(node_id)
             if row is None:
                 cur = self._node_row(node_id)
@@ -373,6 +376,9 @@ class Database:
         finally:
             self._tx.batch = None
         if len(batch):
+            # Earlier group-committed writes (e.g. the parent of a node in this
+            # transaction) commit first, so the transaction never overtakes them.
+            self.flush()
             tx.commit_id = self._commit(batch, message=message)
 
     def ingest(self, tables: Mapping[str, pa.Table], message: str | None = None) -> int:

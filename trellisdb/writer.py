@@ -33,7 +33,7 @@ from trellisdb.errors import (
     ValidationError,
 )
 from trellisdb.ids import new_id
-from trellisdb.schema import DATA_TABLES, EDGE_KINDS, table_schema
+from trellisdb.schema import DATA_TABLES, EDGE_KINDS, KEYS, table_schema
 
 if TYPE_CHECKING:
     from trellisdb.database import Database
@@ -59,9 +59,13 @@ class Batch:
 
     def to_arrow(self, dim: int, commit_id: int) -> dict[str, pa.Table]:
         out: dict[str, pa.Table] = {}
-        for name, rows in self.rows.items():
-            if not rows:
+        for name, all_rows in self.rows.items():
+            if not all_rows:
                 continue
+            # Two writes to one key in one commit: the later wins (a commit is
+            # atomic, so the earlier was never visible to anyone).
+            latest = {tuple(r[k] for k in KEYS[name]): r for r in all_rows}
+            rows = list(latest.values()) if len(latest) < len(all_rows) else all_rows
             sch = table_schema(name, dim)
             cols = {f.name: [r.get(f.name) for r in rows] for f in sch if f.name != "commit_id"}
             cols["commit_id"] = [commit_id] * len(rows)
@@ -110,6 +114,12 @@ def check_embedding(value: object, dim: int, what: str) -> list[float] | None:
     if not all(math.isfinite(x) for x in vec):
         raise ValidationError(f"{what} contains NaN or infinite values")
     return vec
+
+
+def _check_artifact(name: object, content: object) -> None:
+    _check_str(name, "artifact name", optional=False)
+    if not isinstance(content, str | bytes | bytearray | memoryview):
+        raise ValidationError(f"artifact {name!r} content must be str or bytes, got {type(content).__name__}")
 
 
 def content_hash(content: bytes) -> str:
@@ -187,6 +197,8 @@ class SessionWriter:
         if unknown:
             raise ValidationError(f"unknown cost field(s) {sorted(unknown)}; use tokens_in, tokens_out, seconds, usd")
         vec = check_embedding(embedding, db.embedding_dim, f"embedding of node {node_id!r}")
+        for aname, content in (artifacts or {}).items():
+            _check_artifact(aname, content)
         row = {
             "id": node_id,
             "session_id": self.id,
@@ -242,6 +254,7 @@ class SessionWriter:
         if src == dst:
             raise ValidationError(f"edge {src!r} -> {dst!r} is a self-loop; lineage edges join two different nodes")
         with self._db._sink() as b:
+            b.session_id = self.id
             b.rows["edges"].append({"src": src, "dst": dst, "kind": kind, "session_id": self.id})
 
     def add_artifact(self, node_id: str, name: str, content: str | bytes, media_type: str | None = None) -> str:
@@ -250,6 +263,7 @@ class SessionWriter:
         if self._db._missing_nodes([node_id]):
             raise UnknownNodeError(f"artifact {name!r}: node {node_id!r} does not exist")
         with self._db._sink() as b:
+            b.session_id = self.id
             return self._link_artifact(b, node_id, name, content, media_type)
 
     def _link_artifact(self, b: Batch, node_id: str, name: str, content: str | bytes, media_type: str | None) -> str:
@@ -290,6 +304,7 @@ class SessionWriter:
         if self._db._missing_nodes([node_id]):
             raise UnknownNodeError(f"reward {channel!r}: node {node_id!r} does not exist")
         with self._db._sink() as b:
+            b.session_id = self.id
             b.rows["rewards"].append(
                 {
                     "node_id": node_id,
@@ -319,6 +334,7 @@ class SessionWriter:
             raise UnknownNodeError(f"comparison: node {missing[0]!r} does not exist")
         cid = _check_str(id, "comparison id") or new_id()
         with self._db._sink() as batch:
+            batch.session_id = self.id
             batch.rows["comparisons"].append(
                 {
                     "id": cid,
@@ -334,7 +350,7 @@ class SessionWriter:
     def set_status(self, node_id: str, status: str) -> None:
         """Change a node's status (a new row; history keeps the old one)."""
         _check_str(status, "status", optional=False)
-        self._db._set_status(node_id, status)
+        self._db._set_status(node_id, status, self.id)
 
 
 def config_text(config: Mapping[str, Any] | str | None) -> str | None:
