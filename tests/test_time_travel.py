@@ -172,9 +172,6 @@ def test_as_of_timestamp_before_first_and_after_last(db: trellisdb.Database, his
     assert state(db, dt.datetime.now(dt.UTC)) == history["states"][2]
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: db.log()/commits show commit times truncated to microseconds, "
-                   "resolve_as_of compares them with the unrounded float time, so a commit's own "
-                   "timestamp usually resolves to the commit before it")
 def test_as_of_a_commits_own_timestamp_is_that_commit(tmp_path: Path) -> None:
     db = trellisdb.connect(tmp_path / "own", embedding_dim=4)
     try:

@@ -285,7 +285,6 @@ def test_duplicate_node_id_same_content_is_noop(db: trellisdb.Database, writer: 
     assert db.sql("SELECT count(*) AS n FROM nodes_history WHERE id = 'p'").to_pylist() == [{"n": 1}]
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: an idempotent retry of add_node still advances the auto step counter")
 def test_idempotent_retry_does_not_advance_step(db: trellisdb.Database) -> None:
     s = db.session(task="t", agent="a")
     s.add_node(id="x", summary="x")

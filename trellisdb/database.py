@@ -522,8 +522,9 @@ class Database:
             as_of = ts
         if isinstance(as_of, dt.datetime):
             ts = as_of if as_of.tzinfo else as_of.replace(tzinfo=dt.UTC)
-            t = ts.timestamp()
-            ids = [i for i, r in st.commits.items() if r["time"] <= t]
+            # compare in whole microseconds: the precision `log()` and `commits` show
+            us = (ts - dt.datetime(1970, 1, 1, tzinfo=dt.UTC)) // dt.timedelta(microseconds=1)
+            ids = [i for i, r in st.commits.items() if int(r["time"] * 1_000_000) <= us]
             return max(ids) if ids else 0
         raise ValidationError(f"as_of must be a commit id, tag or timestamp, not {type(as_of).__name__}")
 

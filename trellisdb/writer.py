@@ -188,10 +188,7 @@ class SessionWriter:
             raise ValidationError(f"unknown edge kind {edge_kind!r}; use one of {', '.join(EDGE_KINDS)}")
         step_v = _check_int(step, "step")
         if step_v is None:
-            self._step += 1
-            step_v = self._step
-        else:
-            self._step = max(self._step, step_v)
+            step_v = self._step + 1
         cost = dict(cost or {})
         unknown = set(cost) - {"tokens_in", "tokens_out", "seconds", "usd"}
         if unknown:
@@ -232,6 +229,7 @@ class SessionWriter:
                         "use a new id, or omit id= to have one generated"
                     )
                 return node_id  # idempotent retry of the same write
+        self._step = max(self._step, step_v)  # only a node actually written advances the counter
         with db._sink() as b:
             b.rows["nodes"].append(row)
             b.nodes[node_id] = row
