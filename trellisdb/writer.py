@@ -265,13 +265,12 @@ class SessionWriter:
             return self._link_artifact(b, node_id, name, content, media_type)
 
     def _link_artifact(self, b: Batch, node_id: str, name: str, content: str | bytes, media_type: str | None) -> str:
+        _check_artifact(name, content)  # before anything is buffered
         if isinstance(content, str):
             data = content.encode()
             media_type = media_type or "text/plain"
-        elif isinstance(content, bytes | bytearray | memoryview):
-            data = bytes(content)
         else:
-            raise ValidationError(f"artifact {name!r} content must be str or bytes, got {type(content).__name__}")
+            data = bytes(content)
         h = content_hash(data)
         if h not in b.hashes and not self._db._has_artifact(h):
             b.rows["artifacts"].append({"hash": h, "media_type": media_type, "size": len(data), "content": data})
