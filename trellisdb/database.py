@@ -52,6 +52,9 @@ from trellisdb.storage.lock import WriterLock
 from trellisdb.storage.tables import PRUNE_GRACE, LanceTables
 from trellisdb.writer import Batch, SessionWriter, _check_str, check_embedding, config_text
 
+#: Seconds between background cleanups of old physical versions (per process).
+CLEANUP_INTERVAL = 60.0
+
 MARKER = "trellis.json"
 DEFAULT_EMBEDDING_DIM = 384
 AsOf = int | str | dt.datetime | None
@@ -73,14 +76,18 @@ def connect(
     commit_delay: float = 0.05,
     max_batch_rows: int = 10_000,
     auto_compact: bool = True,
-    compact_fragments: int = 32,
+    compact_fragments: int = 8,
     create: bool = True,
 ) -> Database:
     """Open the database in folder ``path``, creating it if needed.
 
     ``embedding_dim`` is fixed when the database is created (default 384) and
     checked on open. ``commit_delay`` bounds how long a single-call write waits
-    to be group-committed; ``flush()`` commits at once.
+    to be group-committed; ``flush()`` commits at once. With ``auto_compact``
+    each commit runs a size-tiered compaction step: once ``compact_fragments``
+    fragments of one size tier pile up in a table they are merged (see
+    ``ARCHITECTURE.md``), and old physical versions are cleaned up now and
+    then on a background thread.
     """
     return Database(
         os.fspath(path),
@@ -187,7 +194,8 @@ class Database:
         self._bg_error: BaseException | None = None
         self._known_nodes: set[str] = set()
         self._known_hashes: set[str] = set()
-        self._commits_since_compact = 0
+        self._last_cleanup = time.monotonic()
+        self._cleanup_thread: threading.Thread | None = None
         self._closed = False
         _open_dbs.add(self)
 
@@ -411,10 +419,10 @@ class Database:
                 )
                 data[name] = pa.concat_tables([data[name], t]) if name in data else t
             rows = 0
-            for name in DATA_TABLES:
-                if name in data and data[name].num_rows:
-                    self._tables.append(name, data[name])
-                    rows += data[name].num_rows
+            written = [name for name in DATA_TABLES if name in data and data[name].num_rows]
+            for name in written:
+                self._tables.append(name, data[name])
+                rows += data[name].num_rows
             self._log.append(
                 [
                     {
@@ -431,16 +439,38 @@ class Database:
             self._log.refresh()
             self._known_nodes.update(batch.nodes)
             self._known_hashes.update(batch.hashes)
-            self._commits_since_compact += 1
-            if self.auto_compact and self._commits_since_compact >= max(4, self.compact_fragments // 4):
-                self._commits_since_compact = 0
-                self._compact(only_if_fragmented=True)
+            if self.auto_compact:
+                for name in written:
+                    self._tables.compact_tiered(name, self.compact_fragments)
+                self._maybe_cleanup()
             return cid
+
+    def _maybe_cleanup(self) -> None:
+        """Start a background cleanup of old physical versions, at most once per
+        ``CLEANUP_INTERVAL``. Cleanup needs no lock: it deletes only files of
+        versions older than the grace period, never those of a write in flight."""
+        now = time.monotonic()
+        if now - self._last_cleanup < CLEANUP_INTERVAL:
+            return
+        if self._cleanup_thread is not None and self._cleanup_thread.is_alive():
+            return
+        self._last_cleanup = now
+
+        def run() -> None:
+            for name in DATA_TABLES:
+                if self._closed:
+                    return
+                # Best effort: a failure (another process cleaning the same
+                # files) leaves files behind, never removes live ones.
+                with contextlib.suppress(Exception):
+                    self._tables.cleanup(name)
+
+        self._cleanup_thread = threading.Thread(target=run, name="trellisdb-cleanup", daemon=True)
+        self._cleanup_thread.start()
 
     def _collect_aborted(self) -> None:
         """Delete rows of commits that began but never committed (holding the lock)."""
-        st = self._log.state
-        dead = sorted(i for i in st.begun if i not in st.commits and i not in st.collected)
+        dead = sorted(self._log.state.open_ids)  # we hold the lock: nothing is in flight
         if not dead:
             return
         pred = f"commit_id IN ({', '.join(str(i) for i in dead)})"
@@ -455,14 +485,9 @@ class Database:
         may still scan them; pass ``timedelta(0)`` when nothing else reads)."""
         self.flush()
         with self._lock.held():
-            return self._compact(only_if_fragmented=False, prune_older_than=prune_older_than)
-
-    def _compact(self, *, only_if_fragmented: bool, prune_older_than: dt.timedelta = PRUNE_GRACE) -> dict[str, Any]:
-        out: dict[str, Any] = {}
+            out = {name: self._tables.compact(name) for name in DATA_TABLES}
         for name in DATA_TABLES:
-            if only_if_fragmented and self._tables.fragment_count(name) < self.compact_fragments:
-                continue
-            out[name] = self._tables.compact(name, prune_older_than)
+            self._tables.cleanup(name, prune_older_than)
         return out
 
     def tag(self, name: str, commit: int | None = None) -> int:
@@ -617,6 +642,8 @@ class Database:
             return
         self.flush()
         self._closed = True
+        if self._cleanup_thread is not None:
+            self._cleanup_thread.join()
 
     def __enter__(self) -> Database:
         return self

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import re
 import threading
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -30,6 +31,9 @@ DUCKDB_CONFIG: dict[str, str | bool | int | float | list[str]] = {
     "autoinstall_known_extensions": False,
     "autoload_known_extensions": False,
 }
+
+#: Seconds after which a reader re-reads table manifests even if the log is unchanged.
+REFRESH_EVERY = 30.0
 
 
 def commits_table(state: LogState, upto: int) -> pa.Table:
@@ -72,8 +76,20 @@ class SqlEngine:
         con = self._con()
         aborted = state.aborted(below=snapshot)
         registered: dict[str, int] = getattr(self._local, "registered", {})
+        # Re-read the Lance manifests only when the log moved (new rows may
+        # exist) or now and then (to pick up another process's compaction well
+        # within the cleanup grace period); otherwise the pinned versions hold
+        # exactly the committed rows and re-reading costs a manifest per table.
+        # The key changes whenever a commit or collection record appears (a
+        # begin alone does not: its rows stay invisible until its commit).
+        log_key = (len(state.commits), len(state.collected))
+        now = time.monotonic()
+        stale = getattr(self._local, "log_key", None) != log_key or now - getattr(self._local, "refreshed", 0.0) > REFRESH_EVERY
+        if stale:
+            self._local.log_key = log_key
+            self._local.refreshed = now
         for name in DATA_TABLES:
-            ds = self._tables.dataset(name)  # refreshed to the latest physical version
+            ds = self._tables.dataset(name, refresh=stale)
             if registered.get(name) != id(ds):
                 con.register(f"__lance_{name}", ds)
                 registered[name] = id(ds)

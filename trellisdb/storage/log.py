@@ -57,6 +57,8 @@ class LogState:
     commits: dict[int, dict[str, Any]] = field(default_factory=dict)
     begun: set[int] = field(default_factory=set)
     collected: set[int] = field(default_factory=set)
+    #: begun ids neither committed nor collected (in flight or aborted)
+    open_ids: set[int] = field(default_factory=set)
     tags: dict[str, int] = field(default_factory=dict)
     max_id: int = 0
     last_committed: int = 0
@@ -72,7 +74,7 @@ class LogState:
         belong to a writer still in flight).
         """
         limit = self.last_committed if below is None else below
-        return sorted(i for i in self.begun if i not in self.commits and i not in self.collected and i <= limit)
+        return sorted(i for i in self.open_ids if i <= limit)
 
 
 class CommitLog:
@@ -126,10 +128,13 @@ class CommitLog:
         op = rec.get("op")
         if op == "begin":
             st.begun.add(int(rec["id"]))
+            if int(rec["id"]) not in st.commits and int(rec["id"]) not in st.collected:
+                st.open_ids.add(int(rec["id"]))
             st.max_id = max(st.max_id, int(rec["id"]))
         elif op == "commit":
             cid = int(rec["id"])
             st.commits[cid] = rec
+            st.open_ids.discard(cid)
             st.max_id = max(st.max_id, cid)
             st.last_committed = max(st.last_committed, cid)
         elif op == "tag":
@@ -137,7 +142,9 @@ class CommitLog:
         elif op == "untag":
             st.tags.pop(str(rec["name"]), None)
         elif op == "collected":
-            st.collected.update(int(i) for i in rec["ids"])
+            ids = [int(i) for i in rec["ids"]]
+            st.collected.update(ids)
+            st.open_ids.difference_update(ids)
 
     def repair_tail(self) -> None:
         """Cut a torn final line off (call only while holding the writer lock)."""

@@ -21,7 +21,38 @@ from trellisdb.schema import DATA_TABLES, table_schema
 
 #: Physical versions younger than this survive cleanup, so that concurrent
 #: readers of an older version (queries up to this long) never lose their files.
-PRUNE_GRACE = dt.timedelta(minutes=10)
+PRUNE_GRACE = dt.timedelta(minutes=5)
+
+#: Row counts of the size tiers of automatic compaction: a fragment belongs to
+#: the first tier whose bound exceeds its row count. Lance's own ceiling
+#: (1Mi rows per fragment) is the last bound.
+TIERS = (4096, 32_768, 262_144, 1_048_576)
+
+
+def tier_target(row_counts: list[int], fanout: int) -> int | None:
+    """The compaction target (rows per fragment) that size-tiered compaction
+    needs now, or None when no tier holds ``fanout`` fragments.
+
+    Fragments below a target are merged into fragments of that size, so a
+    compaction at tier ``i`` rewrites at most about ``fanout * TIERS[i]`` rows
+    and each row is rewritten once per tier (log-many times), never on every
+    compaction. The highest full tier wins, since merging it merges the
+    smaller tiers too.
+
+    >>> tier_target([100_000] + [3] * 7, fanout=8) is None
+    True
+    >>> tier_target([100_000] + [3] * 8, fanout=8)
+    4096
+    >>> tier_target([5000] * 8 + [3], fanout=8)
+    32768
+    """
+    lower = 0
+    target = None
+    for bound in TIERS:
+        if sum(1 for n in row_counts if lower <= n < bound) >= fanout:
+            target = bound
+        lower = bound
+    return target
 
 
 class LanceTables:
@@ -73,14 +104,32 @@ class LanceTables:
     def fragment_count(self, name: str) -> int:
         return len(self.dataset(name).get_fragments())
 
-    def compact(self, name: str, prune_older_than: dt.timedelta = PRUNE_GRACE) -> dict[str, Any]:
+    def compact(self, name: str, target_rows: int = TIERS[-1]) -> dict[str, Any]:
+        """Merge fragments smaller than ``target_rows`` (default: all of them)."""
         ds = self.dataset(name)
-        m = ds.optimize.compact_files(materialize_deletions=True)
+        m = ds.optimize.compact_files(target_rows_per_fragment=target_rows, materialize_deletions=True)
         ds.checkout_latest()  # type: ignore[no-untyped-call]
-        # Old physical versions are not needed for logical time travel, but a
-        # reader in another process may still be scanning one: keep a grace period.
-        ds.cleanup_old_versions(older_than=prune_older_than, delete_unverified=False)
         return {"fragments_removed": m.fragments_removed, "fragments_added": m.fragments_added}
+
+    def compact_tiered(self, name: str, fanout: int) -> dict[str, Any] | None:
+        """Size-tiered compaction step: merge the highest tier holding ``fanout``
+        fragments (see :func:`tier_target`); None when nothing needs merging."""
+        frags = self.dataset(name, refresh=False).get_fragments()
+        target = tier_target([f.metadata.physical_rows for f in frags], fanout)
+        if target is None:
+            return None
+        return self.compact(name, target)
+
+    def cleanup(self, name: str, older_than: dt.timedelta = PRUNE_GRACE) -> None:
+        """Delete files only physical versions older than ``older_than`` use.
+
+        Old physical versions are not needed for logical time travel, but a
+        reader in another process may still be scanning one: keep a grace
+        period. The cost grows with the number of versions, so callers run it
+        now and then, not per commit.
+        """
+        ds = lance.dataset(self.uri(name))  # own handle: may run on a background thread
+        ds.cleanup_old_versions(older_than=older_than, delete_unverified=False)
 
     def verify(self, name: str) -> list[str]:
         """Read every data file of a table; return problems, each naming a file."""
