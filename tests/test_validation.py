@@ -295,14 +295,35 @@ def test_idempotent_retry_does_not_advance_step(db: trellisdb.Database) -> None:
         {"id": "x", "step": 1}, {"id": y, "step": 2}]
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: the duplicate check compares only session, kind, summary and source; "
-                   "a reused id with another embedding/cost/parents is silently dropped")
-def test_duplicate_node_id_other_content_fields(db: trellisdb.Database, writer: trellisdb.SessionWriter) -> None:
-    writer.add_node(id="d", summary="d", embedding=[1.0, 2.0, 3.0, 4.0], cost={"usd": 1.0})
-    db.flush()
-    changes: list[dict[str, Any]] = [{"embedding": [4.0, 3.0, 2.0, 1.0]}, {"cost": {"usd": 2.0}}, {"parents": ["other"]}]
+@pytest.mark.parametrize("flush_first", [True, False], ids=["committed", "pending"])
+def test_duplicate_node_id_other_content_fields(
+    db: trellisdb.Database, writer: trellisdb.SessionWriter, flush_first: bool
+) -> None:
+    writer.add_node(id="p", summary="p")
+    writer.add_node(id="d", parents=["p"], summary="d", embedding=[1.0, 2.0, 3.0, 4.0], cost={"usd": 1.0}, step=7)
+    if flush_first:
+        db.flush()
+    same: dict[str, Any] = {"parents": ["p"], "summary": "d", "embedding": [1.0, 2.0, 3.0, 4.0], "cost": {"usd": 1.0}}
+    changes: list[dict[str, Any]] = [
+        {"embedding": [4.0, 3.0, 2.0, 1.0]},
+        {"embedding": None},
+        {"cost": {"usd": 2.0}},
+        {"cost": {}},
+        {"parents": ["other"]},
+        {"parents": []},
+        {"kind": "tool_call"},
+        {"step": 8},
+    ]
     for change in changes:
-        expect(trellisdb.DuplicateIdError, "'d'", lambda c=change: writer.add_node(id="d", summary="d", **c), change)
+        kw = {**same, **change}
+        expect(trellisdb.DuplicateIdError, "'d'", lambda kw=kw: writer.add_node(id="d", **kw), change)
+    # the same write again (a retry), also after a status change, is accepted and writes nothing
+    writer.set_status("d", "done")
+    assert writer.add_node(id="d", **same) == "d"
+    assert writer.add_node(id="d", step=7, **same) == "d"
+    db.flush()
+    assert db.sql("SELECT status, step FROM nodes WHERE id = 'd'").to_pylist() == [{"status": "done", "step": 7}]
+    assert db.sql("SELECT count(*) AS n FROM edges WHERE dst = 'd'").to_pylist() == [{"n": 1}]
 
 
 def test_duplicate_node_id_ingest(db: trellisdb.Database, writer: trellisdb.SessionWriter) -> None:
@@ -448,3 +469,53 @@ def test_errors_lose_nothing_committed(db: trellisdb.Database, writer: trellisdb
     assert db.sql("SELECT value FROM rewards_history ORDER BY commit_id").to_pylist() == [
         {"value": 0.25}, {"value": 0.5}]
     assert db.sql("SELECT count(*) AS n FROM nodes").to_pylist() == [{"n": 2}]
+
+
+def test_ingest_artifacts_are_content_addressed(db: trellisdb.Database, writer: trellisdb.SessionWriter) -> None:
+    import hashlib
+
+    c = [b"abc", b"def", b"abc"]
+    h = [hashlib.sha256(x).hexdigest() for x in c]
+    db.ingest({"artifacts": pa.table({"hash": h, "content": c}),
+               "node_artifacts": pa.table({"node_id": ["root", "other"], "name": ["code", "code"], "hash": h[:2]})})
+    # duplicates in the batch are stored once; size is filled in
+    assert db.sql("SELECT hash, size FROM artifacts_history ORDER BY hash").to_pylist() == sorted(
+        [{"hash": h[0], "size": 3}, {"hash": h[1], "size": 3}], key=lambda r: r["hash"])
+    # bytes the store already holds are not stored again
+    db.ingest({"artifacts": pa.table({"hash": h[:1], "content": c[:1]})})
+    assert db.sql("SELECT count(*) AS n FROM artifacts_history").to_pylist() == [{"n": 2}]
+    before = snapshot(db)
+    cases: list[tuple[dict[str, pa.Table], str]] = [
+        ({"artifacts": pa.table({"hash": ["0" * 64], "content": [b"x"]})}, "'" + "0" * 64 + "'"),
+        ({"artifacts": pa.table({"hash": h[:1], "content": c[:1], "size": [5]})}, "size 5"),
+        ({"artifacts": pa.table({"hash": h[:1], "content": pa.array([None], pa.binary())})}, "no content"),
+        ({"node_artifacts": pa.table({"node_id": ["root"], "name": ["z"], "hash": ["f" * 64]})}, "'" + "f" * 64 + "'"),
+    ]
+    for tables, needle in cases:
+        expect(trellisdb.ValidationError, needle, lambda t=tables: db.ingest(t), needle)
+    assert snapshot(db) == before
+
+
+def test_ingest_edges_tasks_and_comparisons(db: trellisdb.Database, writer: trellisdb.SessionWriter) -> None:
+    before = snapshot(db)
+    cases: list[tuple[type[Exception], dict[str, pa.Table], str]] = [
+        (trellisdb.ValidationError, {"edges": pa.table({"src": ["root"], "dst": ["root"], "kind": ["derived_from"]})},
+         "self-loop"),
+        (trellisdb.ValidationError, {"edges": pa.table({"src": ["root"], "dst": ["other"], "kind": ["child_of"]})},
+         "'child_of'"),
+        (trellisdb.ValidationError, {"nodes": pa.table({"id": ["q"], "session_id": ["s1"], "task_id": ["nosuch"]})},
+         "'nosuch'"),
+        (trellisdb.ValidationError, {"sessions": pa.table({"id": ["s9"], "task_id": ["nosuch2"]})}, "'nosuch2'"),
+        (trellisdb.UnknownNodeError, {"comparisons": pa.table({"id": ["c"], "a": ["root"], "b": ["zz"]})}, "'zz'"),
+        (trellisdb.ValidationError,
+         {"comparisons": pa.table({"id": ["c"], "a": ["root"], "b": ["other"], "preferred": ["q"]})}, "'q'"),
+    ]
+    for exc, tables, needle in cases:
+        expect(exc, needle, lambda t=tables: db.ingest(t), needle)
+    assert snapshot(db) == before
+    # the valid forms are accepted
+    db.ingest({"tasks": pa.table({"id": ["t2"]}), "sessions": pa.table({"id": ["s2"], "task_id": ["t2"]}),
+               "edges": pa.table({"src": ["root"], "dst": ["other"], "kind": ["inspired_by"]}),
+               "comparisons": pa.table({"id": ["c1", "c2"], "a": ["root"] * 2, "b": ["other"] * 2,
+                                        "preferred": ["other", None]})})
+    assert db.sql("SELECT count(*) AS n FROM comparisons").to_pylist() == [{"n": 2}]

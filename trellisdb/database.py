@@ -606,19 +606,40 @@ class Database:
         return [i for i in todo if i not in set(found)]
 
     def _node_row(self, node_id: str) -> dict[str, Any] | None:
+        """The latest row of a node (pending or committed), or None."""
         with self._state_lock:
-            return self._node_row_locked(node_id)
+            for b in (getattr(self._tx, "batch", None), self._pending):
+                if b is not None and node_id in b.nodes:
+                    return b.nodes[node_id]
+            rows = self._lookup(
+                "SELECT * EXCLUDE (commit_id) FROM nodes_history WHERE id = $1 ORDER BY commit_id DESC LIMIT 1",
+                [node_id],
+            )
+            return rows[0] if rows else None
 
-    def _node_row_locked(self, node_id: str) -> dict[str, Any] | None:
-        for b in (getattr(self._tx, "batch", None), self._pending):
-            if b is not None and node_id in b.nodes:
-                return b.nodes[node_id]
+    def _node_original(self, node_id: str, edge_kind: str) -> tuple[dict[str, Any], set[str]] | None:
+        """The first row written for a node and its ``edge_kind`` parents from
+        that same write: what an idempotent retry of ``add_node`` must match."""
+        with self._state_lock:
+            for b in (getattr(self._tx, "batch", None), self._pending):
+                if b is not None and node_id in b.added:
+                    parents = {e["src"] for e in b.rows["edges"] if e["dst"] == node_id and e["kind"] == edge_kind}
+                    return b.nodes[node_id], parents
+            rows = self._lookup(
+                "SELECT * FROM nodes_history WHERE id = $1 ORDER BY commit_id LIMIT 1", [node_id]
+            )
+            if not rows:
+                return None
+            first = rows[0]
+            srcs = self._lookup(
+                "SELECT src FROM edges_history WHERE dst = $1 AND kind = $2 AND commit_id = $3",
+                [node_id, edge_kind, first.pop("commit_id")],
+            )
+            return first, {r["src"] for r in srcs}
+
+    def _lookup(self, text: str, params: list[Any]) -> list[dict[str, Any]]:
         st = self._log.refresh()
-        rows = self._engine.run(
-            st, st.last_committed, "SELECT * EXCLUDE (commit_id) FROM nodes_history WHERE id = $1 ORDER BY commit_id DESC LIMIT 1",
-            [node_id]
-        ).to_pylist()
-        return rows[0] if rows else None
+        return self._engine.run(st, st.last_committed, text, params).to_pylist()  # type: ignore[no-any-return]
 
     def _has_artifact(self, h: str) -> bool:
         if h in self._known_hashes or h in self._pending.hashes:

@@ -17,6 +17,7 @@ import hashlib
 import json
 import math
 import numbers
+from array import array
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
@@ -49,6 +50,8 @@ class Batch:
 
     rows: dict[str, list[dict[str, Any]]] = field(default_factory=lambda: {t: [] for t in DATA_TABLES})
     nodes: dict[str, dict[str, Any]] = field(default_factory=dict)
+    #: ids of nodes created (by add_node) in this batch, not just re-statused
+    added: set[str] = field(default_factory=set)
     sessions: dict[str, dict[str, Any]] = field(default_factory=dict)
     tasks: set[str] = field(default_factory=set)
     hashes: set[str] = field(default_factory=set)
@@ -212,27 +215,27 @@ class SessionWriter:
             "embedding": vec,
             "created_at": _now(),
         }
+        if id is not None:
+            original = db._node_original(node_id, edge_kind)
+            if original is not None:
+                diff = _node_difference(original, row, set(parents), explicit_step=step is not None)
+                if diff:
+                    raise DuplicateIdError(
+                        f"node id {node_id!r} already exists with a different {diff}; "
+                        "use a new id, or omit id= to have one generated"
+                    )
+                return node_id  # idempotent retry of the same write
         missing = db._missing_nodes(list(parents))
         if missing:
             raise UnknownParentError(
                 f"parent {missing[0]!r} of node {node_id!r} does not exist; add the parent first "
                 f"(or flush it from the writer that made it)"
             )
-        if id is not None:
-            existing = db._node_row(node_id)
-            if existing is not None:
-                same = all(existing.get(k) == row[k] for k in ("session_id", "kind", "summary", "source"))
-                if not same:
-                    raise DuplicateIdError(
-                        f"node id {node_id!r} already exists with different content "
-                        f"(session {existing.get('session_id')!r}, summary {existing.get('summary')!r}); "
-                        "use a new id, or omit id= to have one generated"
-                    )
-                return node_id  # idempotent retry of the same write
         self._step = max(self._step, step_v)  # only a node actually written advances the counter
         with db._sink() as b:
             b.rows["nodes"].append(row)
             b.nodes[node_id] = row
+            b.added.add(node_id)
             b.session_id = self.id
             for p in parents:
                 b.rows["edges"].append({"src": p, "dst": node_id, "kind": edge_kind, "session_id": self.id})
@@ -348,6 +351,32 @@ class SessionWriter:
         """Change a node's status (a new row; history keeps the old one)."""
         _check_str(status, "status", optional=False)
         self._db._set_status(node_id, status, self.id)
+
+
+#: Node fields a retried ``add_node`` with the same id must repeat exactly.
+#: Not compared: status and created_at (state that later writes change), and
+#: step unless the caller gives it (it is otherwise the session's counter).
+_IDENTITY_FIELDS = ("session_id", "kind", "summary", "source", "tokens_in", "tokens_out", "seconds", "usd")
+
+
+def _node_difference(
+    original: tuple[dict[str, Any], set[str]], row: dict[str, Any], parents: set[str], *, explicit_step: bool
+) -> str | None:
+    """What differs between a node's first write and a retry (None: nothing)."""
+    old, old_parents = original
+    for k in _IDENTITY_FIELDS:
+        if old.get(k) != row[k]:
+            return f"{k} ({old.get(k)!r}, not {row[k]!r})"
+    if explicit_step and old.get("step") != row["step"]:
+        return f"step ({old.get('step')!r}, not {row['step']!r})"
+    a, b = old.get("embedding"), row["embedding"]
+    if (a is None) != (b is None) or (
+        a is not None and b is not None and array("f", a).tobytes() != array("f", b).tobytes()
+    ):
+        return "embedding"
+    if old_parents != parents:
+        return f"parents ({sorted(old_parents)}, not {sorted(parents)})"
+    return None
 
 
 def config_text(config: Mapping[str, Any] | str | None) -> str | None:
