@@ -1,6 +1,6 @@
 """The `trellis` command: a thin layer over the library.
 
-trellis [--db PATH] init | log | sql TEXT | tag NAME | compact | verify | demo
+trellis [--db PATH] init | log | sql TEXT | query TQL | explain TQL | tag NAME | compact | verify | demo
 """
 
 from __future__ import annotations
@@ -55,6 +55,19 @@ def format_table(t: pa.Table, fmt: str) -> str:
     return "\n".join(out)
 
 
+def _param(text: str) -> tuple[str, Any]:
+    name, sep, raw = text.partition("=")
+    if not sep or not name.isidentifier():
+        raise TrellisError(f"--param {text!r} must look like NAME=VALUE, e.g. --param session=s1")
+    try:
+        value = json.loads(raw)
+    except ValueError:
+        value = raw
+    if isinstance(value, list | dict):
+        value = raw
+    return name, value
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="trellis", description="trellisdb: experience-graph database")
     p.add_argument("--db", default=None, help="database folder (default: $TRELLIS_DB or ./trellis.db)")
@@ -66,6 +79,15 @@ def build_parser() -> argparse.ArgumentParser:
     sql.add_argument("text")
     sql.add_argument("--as-of", default=None, help="commit id, tag or ISO timestamp")
     sql.add_argument("--format", choices=["table", "json", "csv"], default="table")
+    for name, what in (("query", "run a TQL query"), ("explain", "show a TQL query's plan, SQL and DuckDB plan")):
+        q = sub.add_parser(name, help=what)
+        q.add_argument("text")
+        q.add_argument(
+            "--param", "-p", action="append", default=[], metavar="NAME=VALUE",
+            help="bind $NAME; VALUE is read as JSON when it parses (5, 0.5, true, null, \"07\"), else as text",
+        )
+        if name == "query":
+            q.add_argument("--format", choices=["table", "json", "csv"], default="table")
     tag = sub.add_parser("tag", help="name a commit")
     tag.add_argument("name")
     tag.add_argument("--commit", type=int, default=None)
@@ -108,6 +130,14 @@ def _run(args: argparse.Namespace, path: str) -> int:
         print(format_table(t, "table"))
     elif args.command == "sql":
         print(format_table(db.sql(args.text, as_of=args.as_of).to_arrow(), args.format))
+    elif args.command in ("query", "explain"):
+        params = dict(_param(p) for p in args.param)
+        text = args.text if args.command == "query" else f"EXPLAIN {args.text}"
+        res = db.query(text, **params)
+        if args.command == "explain":
+            print(res.to_pylist()[0]["explain"])
+        else:
+            print(format_table(res.to_arrow(), args.format))
     elif args.command == "tag":
         cid = db.tag(args.name, args.commit)
         print(f"tagged commit {cid} as {args.name!r}")

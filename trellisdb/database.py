@@ -28,7 +28,7 @@ import time
 import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 
@@ -51,6 +51,9 @@ from trellisdb.storage import log as commit_log
 from trellisdb.storage.lock import WriterLock
 from trellisdb.storage.tables import PRUNE_GRACE, LanceTables
 from trellisdb.writer import Batch, SessionWriter, _check_str, check_embedding, config_text
+
+if TYPE_CHECKING:
+    from trellisdb.tql.run import QueryResult
 
 #: Seconds between background cleanups of old physical versions (per process).
 CLEANUP_INTERVAL = 60.0
@@ -194,6 +197,7 @@ class Database:
         self._bg_error: BaseException | None = None
         self._known_nodes: set[str] = set()
         self._known_hashes: set[str] = set()
+        self._name_cache: dict[tuple[str, str], tuple[set[str], int]] = {}
         self._last_cleanup = time.monotonic()
         self._cleanup_thread: threading.Thread | None = None
         self._closed = False
@@ -569,6 +573,56 @@ class Database:
         """
         snap = self.resolve_as_of(as_of)
         return Result(self._engine.run(self._log.state, snap, text, params), sql=text)
+
+    def query(self, text: str, **params: Any) -> QueryResult:
+        """Run a TQL query; ``$name`` in the text takes the value of ``name=...``.
+
+        Statements: ``NODES|SESSIONS|TASKS|REWARDS ...``, ``FRONTIER ...``,
+        ``LINEAGE OF ...``, ``SIBLINGS OF ...``, ``SUBTREE OF ...``,
+        ``PATH FROM ... TO ...``, each optionally ``AS OF ...`` and prefixed by
+        ``EXPLAIN``; see ``docs/tql.md``. Values are bound as parameters,
+        never spliced into SQL.
+
+        >>> import tempfile, trellisdb
+        >>> db = trellisdb.connect(tempfile.mkdtemp() + "/db", embedding_dim=4)
+        >>> s = db.session(task="t", agent="a")
+        >>> root = s.add_node(id="root", summary="first")
+        >>> s.add_reward(root, "score", 0.5)
+        >>> kid = s.add_node(id="kid", parents=[root])
+        >>> s.add_reward(kid, "score", 0.9)
+        >>> db.query("FRONTIER RANK BY reward('score') DESC LIMIT 1 RETURN id, reward('score') AS score").to_pylist()
+        [{'id': 'kid', 'score': 0.9}]
+        >>> [r["id"] for r in db.query("LINEAGE OF $n ANCESTORS", n="kid").to_pylist()]
+        ['kid', 'root']
+        """
+        from trellisdb.tql.run import run
+
+        self.flush()  # a query sees this process's own acknowledged-to-be writes
+        return run(self, text, params)
+
+    def _names(self, table: str, col: str) -> set[str]:
+        """Distinct values of a name column (channels, session ids, task ids), cached
+        and extended incrementally by the commits since the last look."""
+        st = self._log.refresh()
+        cache = self._name_cache.setdefault((table, col), (set(), 0))
+        known, upto = cache
+        if upto < st.last_committed:
+            t = self._engine.run(
+                st, st.last_committed, f"SELECT DISTINCT {col} AS v FROM {table}_history WHERE commit_id > $1", [upto]
+            )
+            known |= set(t.column("v").to_pylist())
+            self._name_cache[(table, col)] = (known, st.last_committed)
+        return known
+
+    def _step_commit(self, session_id: str, step: int) -> int | None:
+        """The commit that first recorded step ``step`` of a session."""
+        st = self._log.refresh()
+        t = self._engine.run(
+            st, st.last_committed,
+            "SELECT min(commit_id) AS c FROM nodes_history WHERE session_id = $1 AND step = $2", [session_id, step]
+        )
+        c = t.column("c")[0].as_py()
+        return int(c) if c is not None else None
 
     # ------------------------------------------------------- lookups for writes
     def _exists(self, table: str, col: str, value: str) -> bool:

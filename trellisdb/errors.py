@@ -71,3 +71,16 @@ class QueryError(TrellisError):
 
 class TransactionError(TrellisError):
     """A transaction was used wrongly (nested, or after it ended)."""
+
+
+class QuerySyntaxError(QueryError):
+    """A TQL text that does not parse; the message shows the line, a caret and what was expected."""
+
+    def __init__(self, message: str, line: int = 0, column: int = 0) -> None:
+        super().__init__(message)
+        self.line = line
+        self.column = column
+
+
+class QueryNameError(QueryError):
+    """A TQL query naming an unknown column, function, channel, session, task, tag or parameter."""

@@ -1,0 +1,430 @@
+"""TQL abstract syntax: frozen dataclasses, each carrying its source span.
+
+:class:`ToAst` turns a lark parse tree into these nodes; it has one handler
+per grammar rule (``tests/test_tql_parse.py`` checks that none is missing).
+
+>>> from trellisdb.tql.parser import parse
+>>> q = parse("NODES WHERE step > 2 LIMIT 5")
+>>> type(q.statement).__name__, q.statement.limit
+('Select', Literal(value=5, span=Span(start=27, end=28, line=1, column=28)))
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from dataclasses import dataclass
+from typing import Any
+
+from lark import Token, Transformer, v_args
+
+
+@dataclass(frozen=True)
+class Span:
+    """Where a node is in the query text: offsets [start, end), 1-based line and column."""
+
+    start: int
+    end: int
+    line: int
+    column: int
+
+
+NO_SPAN = Span(0, 0, 0, 0)
+
+
+# ------------------------------------------------------------------ expressions
+@dataclass(frozen=True)
+class Literal:
+    value: str | int | float | bool | dt.datetime | dt.date | None
+    span: Span = NO_SPAN
+
+
+@dataclass(frozen=True)
+class Param:
+    name: str
+    span: Span = NO_SPAN
+
+
+@dataclass(frozen=True)
+class Column:
+    name: str
+    span: Span = NO_SPAN
+
+
+@dataclass(frozen=True)
+class Call:
+    name: str
+    args: tuple[Expr, ...]
+    span: Span = NO_SPAN
+
+
+@dataclass(frozen=True)
+class Neg:
+    operand: Expr
+    span: Span = NO_SPAN
+
+
+@dataclass(frozen=True)
+class Binary:
+    """Arithmetic (``+ - * / %``), comparison (``= != < <= > >=``) or logic (``AND OR``)."""
+
+    op: str
+    left: Expr
+    right: Expr
+    span: Span = NO_SPAN
+
+
+@dataclass(frozen=True)
+class Not:
+    operand: Expr
+    span: Span = NO_SPAN
+
+
+@dataclass(frozen=True)
+class IsNull:
+    operand: Expr
+    negated: bool
+    span: Span = NO_SPAN
+
+
+@dataclass(frozen=True)
+class InList:
+    operand: Expr
+    items: tuple[Expr, ...]
+    negated: bool
+    span: Span = NO_SPAN
+
+
+@dataclass(frozen=True)
+class Between:
+    operand: Expr
+    low: Expr
+    high: Expr
+    span: Span = NO_SPAN
+
+
+Expr = Literal | Param | Column | Call | Neg | Binary | Not | IsNull | InList | Between
+Value = Literal | Param
+
+
+# ------------------------------------------------------------------ clauses
+@dataclass(frozen=True)
+class OrderItem:
+    expr: Expr
+    descending: bool
+
+
+@dataclass(frozen=True)
+class Proj:
+    expr: Expr
+    alias: str | None
+
+
+@dataclass(frozen=True)
+class Scope:
+    kind: str  # "session" | "task"
+    value: Value
+    span: Span = NO_SPAN
+
+
+@dataclass(frozen=True)
+class Diversity:
+    per: str  # "parent" | "session"
+    k: Value
+
+
+@dataclass(frozen=True)
+class AsOf:
+    kind: str  # "commit" | "tag" | "timestamp" | "step"
+    value: Value
+    session: Value | None = None
+    span: Span = NO_SPAN
+
+
+# ------------------------------------------------------------------ statements
+@dataclass(frozen=True)
+class Select:
+    entity: str  # "nodes" | "sessions" | "tasks" | "rewards"
+    scope: Scope | None = None
+    where: Expr | None = None
+    order: tuple[OrderItem, ...] = ()
+    limit: Value | None = None
+    returning: tuple[Proj, ...] = ()
+    span: Span = NO_SPAN
+
+
+@dataclass(frozen=True)
+class Frontier:
+    scope: Scope | None = None
+    where: Expr | None = None
+    expanded: Expr | None = None
+    rank: tuple[OrderItem, ...] = ()
+    diversity: Diversity | None = None
+    limit: Value | None = None
+    returning: tuple[Proj, ...] = ()
+    span: Span = NO_SPAN
+
+
+@dataclass(frozen=True)
+class Lineage:
+    """Ancestors or descendants of a node (``SUBTREE`` is descendants plus the node)."""
+
+    node: Value
+    direction: str  # "ancestors" | "descendants"
+    depth: Value | None = None
+    via: tuple[str, ...] = ()
+    where: Expr | None = None
+    returning: tuple[Proj, ...] = ()
+    span: Span = NO_SPAN
+
+
+@dataclass(frozen=True)
+class Siblings:
+    node: Value
+    via: tuple[str, ...] = ()
+    where: Expr | None = None
+    returning: tuple[Proj, ...] = ()
+    span: Span = NO_SPAN
+
+
+@dataclass(frozen=True)
+class PathQuery:
+    src: Value
+    dst: Value
+    via: tuple[str, ...] = ()
+    returning: tuple[Proj, ...] = ()
+    span: Span = NO_SPAN
+
+
+Statement = Select | Frontier | Lineage | Siblings | PathQuery
+
+
+@dataclass(frozen=True)
+class Query:
+    statement: Statement
+    as_of: AsOf | None
+    explain: bool
+    text: str
+
+
+# ------------------------------------------------------------------ tree -> AST
+def _span(meta: Any) -> Span:
+    if getattr(meta, "empty", True):
+        return NO_SPAN
+    return Span(meta.start_pos, meta.end_pos, meta.line, meta.column)
+
+
+def _tok_span(t: Token) -> Span:
+    return Span(t.start_pos or 0, t.end_pos or 0, t.line or 0, t.column or 0)
+
+
+def _kw(items: list[Any]) -> list[Any]:
+    """Children without keyword tokens (upper-case terminals other than values)."""
+    return [i for i in items if not (isinstance(i, Token) and i.type.isupper() and i.type not in _VALUE_TOKENS)]
+
+
+_VALUE_TOKENS = {"COMP_OP", "ADD_OP", "MUL_OP"}
+
+
+def _clauses(items: list[Any]) -> dict[str, Any]:
+    """Optional clauses of a statement, by the tag each clause handler returns."""
+    out: dict[str, Any] = {}
+    for i in items:
+        if isinstance(i, tuple) and len(i) == 2 and isinstance(i[0], str) and i[0].startswith("@"):
+            out[i[0][1:]] = i[1]
+    return out
+
+
+@v_args(meta=True)
+class ToAst(Transformer[Token, Any]):
+    """One method per grammar rule or alias."""
+
+    def __init__(self, text: str) -> None:
+        super().__init__()
+        self.text = text
+
+    # -- statements
+    def start(self, meta: Any, items: list[Any]) -> Query:
+        explain = any(i == "@explain" for i in items)
+        stmt = next(i for i in items if isinstance(i, Select | Frontier | Lineage | Siblings | PathQuery))
+        as_of = next((i for i in items if isinstance(i, AsOf)), None)
+        return Query(stmt, as_of, explain, self.text)
+
+    def explain(self, meta: Any, items: list[Any]) -> str:
+        return "@explain"
+
+    def select(self, meta: Any, items: list[Any]) -> Select:
+        c = _clauses(items)
+        return Select(items[0], c.get("scope"), c.get("where"), c.get("order", ()), c.get("limit"),
+                      c.get("returning", ()), _span(meta))
+
+    def entity(self, meta: Any, items: list[Any]) -> str:
+        return str(items[0]).lower()
+
+    def scope_session(self, meta: Any, items: list[Any]) -> tuple[str, Scope]:
+        return ("@scope", Scope("session", _kw(items)[0], _span(meta)))
+
+    def scope_task(self, meta: Any, items: list[Any]) -> tuple[str, Scope]:
+        return ("@scope", Scope("task", _kw(items)[0], _span(meta)))
+
+    def where(self, meta: Any, items: list[Any]) -> tuple[str, Expr]:
+        return ("@where", _kw(items)[0])
+
+    def order(self, meta: Any, items: list[Any]) -> tuple[str, tuple[OrderItem, ...]]:
+        return ("@order", tuple(_kw(items)))
+
+    def order_item(self, meta: Any, items: list[Any]) -> OrderItem:
+        return OrderItem(items[0], len(items) > 1 and items[1] == "desc")
+
+    def direction(self, meta: Any, items: list[Any]) -> str:
+        return str(items[0]).lower()
+
+    def limit(self, meta: Any, items: list[Any]) -> tuple[str, Value]:
+        return ("@limit", _kw(items)[0])
+
+    def returning(self, meta: Any, items: list[Any]) -> tuple[str, tuple[Proj, ...]]:
+        return ("@returning", tuple(_kw(items)))
+
+    def proj(self, meta: Any, items: list[Any]) -> Proj:
+        rest = _kw(items)
+        return Proj(rest[0], rest[1] if len(rest) > 1 else None)
+
+    def frontier(self, meta: Any, items: list[Any]) -> Frontier:
+        c = _clauses(items)
+        return Frontier(c.get("scope"), c.get("where"), c.get("expanded"), c.get("rank", ()), c.get("diversity"),
+                        c.get("limit"), c.get("returning", ()), _span(meta))
+
+    def expanded(self, meta: Any, items: list[Any]) -> tuple[str, Expr]:
+        return ("@expanded", _kw(items)[0])
+
+    def rank(self, meta: Any, items: list[Any]) -> tuple[str, tuple[OrderItem, ...]]:
+        return ("@rank", tuple(_kw(items)))
+
+    def per_parent(self, meta: Any, items: list[Any]) -> tuple[str, Diversity]:
+        return ("@diversity", Diversity("parent", _kw(items)[0]))
+
+    def per_session(self, meta: Any, items: list[Any]) -> tuple[str, Diversity]:
+        return ("@diversity", Diversity("session", _kw(items)[0]))
+
+    def lineage(self, meta: Any, items: list[Any]) -> Lineage:
+        rest = _kw(items)
+        node, direction = rest[0], rest[1]
+        depth = rest[2] if len(rest) > 2 and isinstance(rest[2], Literal | Param) else None
+        c = _clauses(items)
+        return Lineage(node, direction, depth, c.get("via", ()), c.get("where"), c.get("returning", ()), _span(meta))
+
+    def lineage_dir(self, meta: Any, items: list[Any]) -> str:
+        return str(items[0]).lower()
+
+    def siblings(self, meta: Any, items: list[Any]) -> Siblings:
+        c = _clauses(items)
+        return Siblings(_kw(items)[0], c.get("via", ()), c.get("where"), c.get("returning", ()), _span(meta))
+
+    def subtree(self, meta: Any, items: list[Any]) -> Lineage:
+        rest = _kw(items)
+        depth = rest[1] if len(rest) > 1 and isinstance(rest[1], Literal | Param) else None
+        c = _clauses(items)
+        return Lineage(rest[0], "subtree", depth, c.get("via", ()), c.get("where"), c.get("returning", ()),
+                       _span(meta))
+
+    def path(self, meta: Any, items: list[Any]) -> PathQuery:
+        rest = _kw(items)
+        c = _clauses(items)
+        return PathQuery(rest[0], rest[1], c.get("via", ()), c.get("returning", ()), _span(meta))
+
+    def via(self, meta: Any, items: list[Any]) -> tuple[str, tuple[str, ...]]:
+        return ("@via", tuple(_kw(items)))
+
+    def as_of_commit(self, meta: Any, items: list[Any]) -> AsOf:
+        return AsOf("commit", _kw(items)[0], None, _span(meta))
+
+    def as_of_tag(self, meta: Any, items: list[Any]) -> AsOf:
+        return AsOf("tag", _kw(items)[0], None, _span(meta))
+
+    def as_of_timestamp(self, meta: Any, items: list[Any]) -> AsOf:
+        return AsOf("timestamp", _kw(items)[0], None, _span(meta))
+
+    def as_of_step(self, meta: Any, items: list[Any]) -> AsOf:
+        rest = _kw(items)
+        return AsOf("step", rest[0], rest[1], _span(meta))
+
+    # -- expressions
+    def or_(self, meta: Any, items: list[Any]) -> Binary:
+        a, b = _kw(items)
+        return Binary("OR", a, b, _span(meta))
+
+    def and_(self, meta: Any, items: list[Any]) -> Binary:
+        a, b = _kw(items)
+        return Binary("AND", a, b, _span(meta))
+
+    def not_(self, meta: Any, items: list[Any]) -> Not:
+        return Not(_kw(items)[0], _span(meta))
+
+    def compare(self, meta: Any, items: list[Any]) -> Binary:
+        a, op, b = items
+        return Binary("!=" if str(op) == "<>" else str(op), a, b, _span(meta))
+
+    def arith(self, meta: Any, items: list[Any]) -> Binary:
+        a, op, b = items
+        return Binary(str(op), a, b, _span(meta))
+
+    def is_null(self, meta: Any, items: list[Any]) -> IsNull:
+        return IsNull(_kw(items)[0], False, _span(meta))
+
+    def is_not_null(self, meta: Any, items: list[Any]) -> IsNull:
+        return IsNull(_kw(items)[0], True, _span(meta))
+
+    def in_list(self, meta: Any, items: list[Any]) -> InList:
+        rest = _kw(items)
+        return InList(rest[0], tuple(rest[1:]), False, _span(meta))
+
+    def not_in_list(self, meta: Any, items: list[Any]) -> InList:
+        rest = _kw(items)
+        return InList(rest[0], tuple(rest[1:]), True, _span(meta))
+
+    def between(self, meta: Any, items: list[Any]) -> Between:
+        a, lo, hi = _kw(items)
+        return Between(a, lo, hi, _span(meta))
+
+    def neg(self, meta: Any, items: list[Any]) -> Expr:
+        x = items[0]
+        if isinstance(x, Literal) and isinstance(x.value, int | float) and not isinstance(x.value, bool):
+            return Literal(-x.value, _span(meta))
+        return Neg(x, _span(meta))
+
+    def true(self, meta: Any, items: list[Any]) -> Literal:
+        return Literal(True, _span(meta))
+
+    def false(self, meta: Any, items: list[Any]) -> Literal:
+        return Literal(False, _span(meta))
+
+    def null(self, meta: Any, items: list[Any]) -> Literal:
+        return Literal(None, _span(meta))
+
+    def call(self, meta: Any, items: list[Any]) -> Call:
+        name, *args = items
+        return Call(name.lower(), tuple(a for a in args if a is not None), _span(meta))
+
+    def column(self, meta: Any, items: list[Any]) -> Column:
+        return Column(items[0], _span(meta))
+
+    def name(self, meta: Any, items: list[Any]) -> str:
+        return str(items[0])
+
+    def string(self, meta: Any, items: list[Any]) -> Literal:
+        t = items[0]
+        return Literal(str(t)[1:-1].replace("''", "'"), _tok_span(t))
+
+    def number(self, meta: Any, items: list[Any]) -> Literal:
+        t = items[0]
+        s = str(t)
+        v: int | float = float(s) if any(c in s for c in ".eE") else int(s)
+        return Literal(v, _tok_span(t))
+
+    def param(self, meta: Any, items: list[Any]) -> Param:
+        t = items[0]
+        return Param(str(t)[1:], _tok_span(t))
+
+
+def handler_names() -> set[str]:
+    """Names of ToAst's rule handlers (for the test that every rule has one)."""
+    return {n for n, v in vars(ToAst).items() if not n.startswith("_") and callable(v)}

@@ -1,0 +1,343 @@
+"""Logical plan -> sqlglot expressions -> DuckDB SQL (``dialect="duckdb"``).
+
+Each operator becomes one CTE reading the previous one; the statement ends
+with ``SELECT ... FROM <last> ORDER BY ...``. Values from the query (strings,
+times, parameters) become DuckDB parameters (``$v1``...), never SQL text;
+only numbers the grammar parsed and names the resolver checked are inlined.
+
+>>> from trellisdb.tql.parser import parse
+>>> from trellisdb.tql.resolve import Bound
+>>> from trellisdb.tql.plan import build
+>>> q = parse("NODES WHERE status = 'x''; DROP TABLE nodes' LIMIT 2")
+>>> c = compile_plan(build(Bound(q, q.statement, 1)))
+>>> c.params
+{'v1': "x'; DROP TABLE nodes"}
+>>> "DROP" in c.sql
+False
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from dataclasses import dataclass, field
+from typing import Any
+
+import sqlglot
+from sqlglot import exp
+
+from trellisdb.errors import QueryError
+from trellisdb.tql import ast as A
+from trellisdb.tql import plan as P
+from trellisdb.tql.resolve import ENTITY_COLUMNS, LINEAGE_KINDS, MAX_HOPS
+
+DIALECT = "duckdb"
+
+_BINARY: dict[str, type[exp.Expr]] = {
+    "+": exp.Add, "-": exp.Sub, "*": exp.Mul, "/": exp.Div, "%": exp.Mod,
+    "=": exp.EQ, "!=": exp.NEQ, "<": exp.LT, "<=": exp.LTE, ">": exp.GT, ">=": exp.GTE,
+    "AND": exp.And, "OR": exp.Or,
+}
+
+_UCB = sqlglot.parse_one("__v + __c * sqrt(ln(greatest(sum(__n) OVER (), 1)) / greatest(__n, 1))", dialect=DIALECT)
+
+
+@dataclass
+class Compiled:
+    """SQL text, its parameter values, and the output columns it promises."""
+
+    sql: str
+    params: dict[str, Any]
+    expression: exp.Expr
+    #: output column -> reward channel, for columns that hold a reward
+    reward_columns: dict[str, str] = field(default_factory=dict)
+
+
+def reward_column_names(channels: tuple[str, ...], entity_cols: list[str]) -> dict[str, str]:
+    """channel -> output column name: the channel itself unless a column has that name."""
+    out: dict[str, str] = {}
+    for ch in channels:
+        name = ch if ch not in entity_cols and ch not in out.values() else f"reward_{ch}"
+        out[ch] = name
+    return out
+
+
+class Compiler:
+    def __init__(self) -> None:
+        self.params: dict[str, Any] = {}
+        self.ctes: list[tuple[str, exp.Expr, bool]] = []
+        self.rewards: dict[str, str] = {}
+        self.order: list[exp.Ordered] = []
+        self.hidden: list[str] = []
+        self.projection: list[exp.Expr] | None = None
+        self.materialized: set[str] = set()
+        self.keys_done: tuple[tuple[A.OrderItem, ...], list[str]] | None = None
+        self._n = 0
+
+    # -- helpers
+    def value(self, v: Any) -> exp.Expr:
+        if v is None:
+            return exp.Null()
+        if isinstance(v, bool):
+            return exp.Boolean(this=v)
+        if isinstance(v, int):
+            return exp.Literal.number(str(v)) if v >= 0 else exp.Neg(this=exp.Literal.number(str(-v)))
+        if isinstance(v, float):
+            return exp.Literal.number(repr(v)) if v >= 0 else exp.Neg(this=exp.Literal.number(repr(-v)))
+        if isinstance(v, str | dt.datetime | dt.date):
+            self._n += 1
+            name = f"v{self._n}"
+            self.params[name] = v
+            return exp.Placeholder(this=name)
+        raise QueryError(f"cannot use {type(v).__name__} {v!r} as a value")
+
+    def cte(self, body: exp.Expr, *, recursive: bool = False, materialized: bool = False) -> str:
+        name = f"s{len(self.ctes)}"
+        self.ctes.append((name, body, recursive))
+        if materialized:
+            self.materialized.add(name)
+        return name
+
+    def kinds_in(self, col: str, kinds: tuple[str, ...]) -> exp.Expr:
+        return exp.In(this=exp.column(col), expressions=[exp.Literal.string(k) for k in kinds])
+
+    # -- expressions
+    def expr(self, e: A.Expr) -> exp.Expr:
+        x = self.expr
+        if isinstance(e, A.Literal):
+            return self.value(e.value)
+        if isinstance(e, A.Column):
+            return exp.column(e.name, quoted=True)
+        if isinstance(e, A.Call):
+            if e.name == "reward":
+                ch = e.args[0]
+                assert isinstance(ch, A.Literal)
+                return exp.column(self.rewards[str(ch.value)], quoted=True)
+            if e.name == "ucb":
+                v, n, c = (x(a) for a in e.args)
+                subs = {"__v": exp.paren(v), "__n": exp.paren(n), "__c": exp.paren(c)}
+                return exp.paren(_UCB.transform(
+                    lambda node: subs[node.name].copy() if isinstance(node, exp.Column) and node.name in subs else node
+                ))
+            return exp.Anonymous(this=e.name, expressions=[x(a) for a in e.args])
+        if isinstance(e, A.Neg):
+            return exp.Neg(this=exp.paren(x(e.operand)))
+        if isinstance(e, A.Binary):
+            return exp.paren(_BINARY[e.op](this=x(e.left), expression=x(e.right)))
+        if isinstance(e, A.Not):
+            return exp.Not(this=exp.paren(x(e.operand)))
+        if isinstance(e, A.IsNull):
+            isnull = exp.Is(this=x(e.operand), expression=exp.Null())
+            return exp.Not(this=isnull) if e.negated else isnull
+        if isinstance(e, A.InList):
+            inl = exp.In(this=x(e.operand), expressions=[x(i) for i in e.items])
+            return exp.Not(this=inl) if e.negated else inl
+        if isinstance(e, A.Between):
+            return exp.Between(this=x(e.operand), low=x(e.low), high=x(e.high))
+        raise QueryError(f"cannot compile {type(e).__name__}")  # pragma: no cover
+
+    def ordered(self, keys: tuple[A.OrderItem, ...], names: list[str], tie: tuple[str, ...]) -> list[exp.Ordered]:
+        out = [
+            exp.Ordered(this=exp.column(n, quoted=True), desc=k.descending, nulls_first=False)
+            for k, n in zip(keys, names, strict=True)
+        ]
+        out += [exp.Ordered(this=exp.column(c), desc=False, nulls_first=False) for c in tie]
+        return out
+
+    def keyed(self, src: str, keys: tuple[A.OrderItem, ...]) -> tuple[str, list[str]]:
+        """A CTE adding one column per ordering key (keys may hold window functions)."""
+        names = []
+        sel = exp.select(exp.Star()).from_(src)
+        for k in keys:
+            self._n += 1
+            name = f"__k{self._n}"
+            names.append(name)
+            sel = sel.select(exp.alias_(self.expr(k.expr), name, quoted=True))
+        self.hidden += names
+        return (self.cte(sel) if names else src), names
+
+    # -- operators
+    def compile(self, p: P.Plan) -> str:
+        method = getattr(self, "op_" + type(p).__name__)
+        name: str = method(p)
+        return name
+
+    def op_Scan(self, p: P.Scan) -> str:
+        star = "* EXCLUDE (embedding)" if p.entity in ("nodes", "tasks") else "*"
+        sel = sqlglot.parse_one(f"SELECT {star} FROM {p.entity}", dialect=DIALECT)
+        assert isinstance(sel, exp.Select)
+        if p.scope is not None:
+            v = self.value(p.scope.value.value)  # type: ignore[union-attr]
+            col = "session_id" if p.scope.kind == "session" else "task_id"
+            if p.entity == "rewards":
+                sub = exp.select("id").from_("nodes").where(exp.EQ(this=exp.column(col), expression=v))
+                sel = sel.where(exp.column("node_id").isin(query=sub))
+            else:
+                sel = sel.where(exp.EQ(this=exp.column(col), expression=v))
+        return self.cte(sel)
+
+    def _edges(self, kinds: tuple[str, ...]) -> str:
+        sel = exp.select("src", "dst").from_("edges").where(self.kinds_in("kind", kinds))
+        return self.cte(sel, materialized=True)
+
+    def _walk(self, edges: str, seed: exp.Expr, direction: str, max_hops: int) -> str:
+        """Recursive CTE of (id, hop); UNION (not ALL) and the hop bound make cycles terminate."""
+        near, far = ("dst", "src") if direction == "ancestors" else ("src", "dst")
+        name = f"s{len(self.ctes)}"
+        body = sqlglot.parse_one(
+            f"SELECT CAST(__seed AS VARCHAR) AS id, 0 AS hop "
+            f"UNION SELECT e.{far}, w.hop + 1 FROM {name} AS w JOIN {edges} AS e ON e.{near} = w.id "
+            f"WHERE w.hop < {int(max_hops)}",
+            dialect=DIALECT,
+        )
+        body = body.transform(lambda n: seed.copy() if isinstance(n, exp.Column) and n.name == "__seed" else n)
+        self.cte(body, recursive=True)
+        return self.cte(sqlglot.parse_one(f"SELECT id, min(hop) AS hop FROM {name} GROUP BY id", dialect=DIALECT))
+
+    def op_Walk(self, p: P.Walk) -> str:
+        return self._walk(self._edges(p.kinds), self.value(p.seed), p.direction, p.max_hops)
+
+    def op_SiblingsOf(self, p: P.SiblingsOf) -> str:
+        e = self._edges(p.kinds)
+        node = self.value(p.node)
+        body = sqlglot.parse_one(
+            f"SELECT s.dst AS id, min(s.src) AS shared_parent FROM {e} AS p JOIN {e} AS s ON s.src = p.src "
+            f"WHERE p.dst = __node AND s.dst <> __node GROUP BY s.dst",
+            dialect=DIALECT,
+        )
+        return self.cte(body.transform(lambda n: node.copy() if isinstance(n, exp.Column) and n.name == "__node" else n))
+
+    def op_ShortestPath(self, p: P.ShortestPath) -> str:
+        e = self._edges(p.kinds)
+        fwd = self._walk(e, self.value(p.src), "descendants", MAX_HOPS)
+        bwd = self._walk(e, self.value(p.dst), "ancestors", MAX_HOPS)
+        body = sqlglot.parse_one(
+            f"SELECT f.id, f.hop FROM {fwd} AS f JOIN {bwd} AS b ON b.id = f.id "
+            f"WHERE f.hop + b.hop = (SELECT min(f2.hop + b2.hop) FROM {fwd} AS f2 JOIN {bwd} AS b2 ON b2.id = f2.id)",
+            dialect=DIALECT,
+        )
+        return self.cte(body)
+
+    def op_Derive(self, p: P.Derive) -> str:
+        if isinstance(p.input, P.Scan):
+            src = self.compile(p.input)
+            base = exp.select("b.*").from_(exp.alias_(exp.to_table(src), "b"))
+            entity_cols = ENTITY_COLUMNS[p.input.entity]
+        else:  # a graph relation (id, hop | shared_parent): attach the node rows
+            rel = self.compile(p.input)
+            extra = "shared_parent" if isinstance(p.input, P.SiblingsOf) else "hop"
+            base = sqlglot.parse_one(
+                f"SELECT b.*, r.{extra} FROM {rel} AS r JOIN (SELECT * EXCLUDE (embedding) FROM nodes) AS b ON b.id = r.id",
+                dialect=DIALECT,
+            )  # type: ignore[assignment]
+            entity_cols = ENTITY_COLUMNS["nodes"] + [extra]
+        sel = base
+        self.rewards = reward_column_names(p.channels, entity_cols)
+        for i, ch in enumerate(p.channels):
+            alias = f"r{i}"
+            sub = exp.select("node_id", "value").from_("rewards").where(
+                exp.EQ(this=exp.column("channel"), expression=self.value(ch))
+            )
+            sel = sel.join(exp.alias_(exp.paren(sub), alias), on=f"{alias}.node_id = b.id", join_type="left")
+            sel = sel.select(exp.alias_(exp.column("value", table=alias), self.rewards[ch], quoted=True))
+        acc = p.accessors
+        kinds = ", ".join(f"'{k}'" for k in (p.kinds or LINEAGE_KINDS))
+        if "children" in acc:
+            sel = sel.join(
+                sqlglot.parse_one(
+                    f"(SELECT src, count(*) AS n FROM edges WHERE kind IN ({kinds}) GROUP BY src) AS ch", dialect=DIALECT
+                ),
+                on="ch.src = b.id",
+                join_type="left",
+            )
+            sel = sel.select(sqlglot.parse_one("coalesce(ch.n, 0) AS children", dialect=DIALECT))
+        if "visits" in acc:
+            sel = sel.select(sqlglot.parse_one("coalesce(ch.n, 0) + 1 AS visits", dialect=DIALECT))
+        if "parent" in acc:
+            sel = sel.join(
+                sqlglot.parse_one(
+                    f"(SELECT dst, min(src) AS parent FROM edges WHERE kind IN ({kinds}) GROUP BY dst) AS pa",
+                    dialect=DIALECT,
+                ),
+                on="pa.dst = b.id",
+                join_type="left",
+            )
+            sel = sel.select(sqlglot.parse_one("pa.parent AS parent", dialect=DIALECT))
+        if "age" in acc:
+            sel = sel.join(
+                sqlglot.parse_one("(SELECT session_id, max(step) AS m FROM nodes GROUP BY session_id) AS ag",
+                                  dialect=DIALECT),
+                on="ag.session_id = b.session_id",
+                join_type="left",
+            )
+            sel = sel.select(sqlglot.parse_one("ag.m - b.step AS age", dialect=DIALECT))
+        if "depth" in acc:
+            e = self._edges(p.kinds or LINEAGE_KINDS)
+            name = f"s{len(self.ctes)}"
+            roots = sqlglot.parse_one(
+                f"SELECT id, 0 AS depth FROM nodes WHERE id NOT IN (SELECT dst FROM {e}) "
+                f"UNION SELECT e.dst, d.depth + 1 FROM {name} AS d JOIN {e} AS e ON e.src = d.id "
+                f"WHERE d.depth < {MAX_HOPS}",
+                dialect=DIALECT,
+            )
+            self.cte(roots, recursive=True)
+            dep = self.cte(sqlglot.parse_one(f"SELECT id, min(depth) AS depth FROM {name} GROUP BY id", dialect=DIALECT))
+            sel = sel.join(exp.alias_(exp.to_table(dep), "dp"), on="dp.id = b.id", join_type="left")
+            sel = sel.select(sqlglot.parse_one("dp.depth AS depth", dialect=DIALECT))
+        return self.cte(sel)
+
+    def op_Filter(self, p: P.Filter) -> str:
+        src = self.compile(p.input)
+        return self.cte(exp.select(exp.Star()).from_(src).where(self.expr(p.predicate)))
+
+    def op_TopPerGroup(self, p: P.TopPerGroup) -> str:
+        src, names = self.keyed(self.compile(p.input), p.keys)
+        win = exp.Window(
+            this=exp.RowNumber(),
+            partition_by=[exp.column(p.per, quoted=True)],
+            order=exp.Order(expressions=self.ordered(p.keys, names, p.tiebreak)),
+        )
+        sel = exp.select(exp.Star()).from_(src).qualify(exp.LTE(this=win, expression=exp.Literal.number(p.k)))
+        self.keys_done = (p.keys, names)
+        return self.cte(sel)
+
+    def op_Sort(self, p: P.Sort) -> str:
+        src = self.compile(p.input)
+        done = self.keys_done
+        if done is not None and done[0] == p.keys:
+            names = done[1]
+        else:
+            src, names = self.keyed(src, p.keys)
+        self.order = self.ordered(p.keys, names, p.tiebreak)
+        return src
+
+    def op_Limit(self, p: P.Limit) -> str:
+        src = self.compile(p.input)
+        sel = exp.select(exp.Star()).from_(src).order_by(*[o.copy() for o in self.order]).limit(p.n)
+        return self.cte(sel)
+
+    def op_Project(self, p: P.Project) -> str:
+        """The projection is the final SELECT's list (so its ORDER BY can still see the sort keys)."""
+        src = self.compile(p.input)
+        self.projection = [exp.alias_(self.expr(c.expr), str(c.alias), quoted=True) for c in p.columns]
+        return src
+
+    def finish(self, last: str) -> exp.Select:
+        if self.projection is not None:
+            sel = exp.select(*self.projection).from_(last)
+        else:
+            star = exp.Star(**({"except_": [exp.column(h, quoted=True) for h in self.hidden]} if self.hidden else {}))
+            sel = exp.select(star).from_(last)
+        if self.order:
+            sel = sel.order_by(*[o.copy() for o in self.order])
+        recursive = any(r for _, _, r in self.ctes)
+        for name, body, _ in self.ctes:
+            sel = sel.with_(name, as_=body, recursive=recursive, materialized=True if name in self.materialized else None)
+        return sel
+
+
+def compile_plan(plan: P.Plan) -> Compiled:
+    c = Compiler()
+    last = c.compile(plan)
+    tree = c.finish(last)
+    sql = tree.sql(dialect=DIALECT)
+    return Compiled(sql, c.params, tree, {v: k for k, v in c.rewards.items()})

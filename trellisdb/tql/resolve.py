@@ -1,0 +1,396 @@
+"""Resolve a TQL AST against the catalog: names, functions, parameters, AS OF.
+
+The result, :class:`Bound`, is the AST with every name checked (unknown
+columns, functions, reward channels, sessions, tasks, tags and parameters are
+:class:`~trellisdb.errors.QueryNameError` with a "did you mean"), every
+``$param`` replaced by its value, and ``AS OF`` turned into a commit id.
+Values stay values: they become SQL parameters later, never SQL text.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import difflib
+import math
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from trellisdb.errors import QueryError, QueryNameError, UnknownCommitError, UnknownTagError
+from trellisdb.schema import EDGE_KINDS, table_schema
+from trellisdb.tql import ast as A
+
+#: Edge kinds a lineage walk, child count or sibling test follows unless VIA says otherwise.
+LINEAGE_KINDS = ("derived_from", "repair_of", "crossover_of")
+
+#: Statuses that make a node "expanded" (not on the frontier) even without children.
+CLOSED_STATUSES = ("expanded", "closed", "failed", "pruned")
+
+#: Derived per-node values usable by name in any node statement.
+NODE_ACCESSORS = {
+    "children": "number of child nodes (edges of the lineage kinds leaving the node)",
+    "visits": "children + 1: how often the node has been tried from, itself included",
+    "parent": "the node's primary parent id (smallest id among its lineage parents), null for a root",
+    "depth": "hops from the root along lineage edges (computed only when used)",
+    "age": "steps its session has taken since this node (max step in the session - step)",
+}
+
+#: Plain SQL functions TQL passes through: name -> (min args, max args).
+SQL_FUNCTIONS: dict[str, tuple[int, int]] = {
+    "abs": (1, 1), "ln": (1, 1), "log10": (1, 1), "sqrt": (1, 1), "exp": (1, 1), "power": (2, 2),
+    "round": (1, 2), "floor": (1, 1), "ceil": (1, 1), "least": (1, 16), "greatest": (1, 16),
+    "coalesce": (1, 16), "lower": (1, 1), "upper": (1, 1), "length": (1, 1), "contains": (2, 2),
+    "starts_with": (2, 2),
+}
+
+#: Functions TQL defines: name -> (min args, max args).
+TQL_FUNCTIONS: dict[str, tuple[int, int]] = {"reward": (1, 1), "ucb": (3, 3)}
+
+MAX_HOPS = 10_000
+
+
+def _columns(entity: str) -> list[str]:
+    return [f.name for f in table_schema(entity, 1) if f.name != "embedding"]
+
+
+ENTITY_COLUMNS: dict[str, list[str]] = {e: _columns(e) for e in ("nodes", "sessions", "tasks", "rewards")}
+
+
+def did_you_mean(name: str, options: Iterable[str]) -> str:
+    close = difflib.get_close_matches(name, list(options), n=1, cutoff=0.6)
+    return f"; did you mean {close[0]!r}?" if close else ""
+
+
+def known(what: str, options: Iterable[str], limit: int = 12) -> str:
+    opts = sorted(options)
+    if not opts:
+        return f"; there are no {what} yet"
+    more = f", ... ({len(opts)} in all)" if len(opts) > limit else ""
+    return f"; {what}: {', '.join(repr(o) for o in opts[:limit])}{more}"
+
+
+@dataclass
+class Catalog:
+    """What names exist: channels, sessions, tasks (fetched lazily, cached) and tags."""
+
+    channels: Callable[[], set[str]]
+    sessions: Callable[[], set[str]]
+    tasks: Callable[[], set[str]]
+    tags: Mapping[str, int]
+    commits: Mapping[int, Mapping[str, Any]]
+    last_commit: int
+    step_commit: Callable[[str, int], int | None]
+
+
+@dataclass(frozen=True)
+class Bound:
+    """A resolved query: the statement with values in place of parameters."""
+
+    query: A.Query
+    statement: A.Statement
+    snapshot: int
+    #: reward channels the statement reads
+    channels: tuple[str, ...] = ()
+    #: derived node values the statement uses (children, visits, parent, depth, age)
+    accessors: frozenset[str] = field(default_factory=frozenset)
+
+
+def _where(span: A.Span) -> str:
+    return f" (line {span.line}, column {span.column})" if span.line else ""
+
+
+class Resolver:
+    def __init__(self, catalog: Catalog, params: Mapping[str, Any]) -> None:
+        self.cat = catalog
+        self.params = dict(params)
+        self.used_params: set[str] = set()
+        self.channels: list[str] = []
+        self.accessors: set[str] = set()
+        self.entity = "nodes"
+        self.extra_columns: set[str] = set()
+
+    # -- values
+    def value(self, v: A.Value | None) -> A.Literal | None:
+        if v is None:
+            return None
+        if isinstance(v, A.Literal):
+            return v
+        if v.name not in self.params:
+            bound = ", ".join(f"${k}" for k in sorted(self.params)) or "none"
+            raise QueryNameError(
+                f"parameter ${v.name}{_where(v.span)} has no value; pass {v.name}=... "
+                f"(bound: {bound}){did_you_mean(v.name, self.params)}"
+            )
+        self.used_params.add(v.name)
+        x = self.params[v.name]
+        if isinstance(x, float) and not math.isfinite(x):
+            raise QueryError(f"parameter ${v.name} is {x!r}; TQL values must be finite")
+        if x is not None and not isinstance(x, str | int | float | bool | dt.datetime | dt.date):
+            raise QueryError(
+                f"parameter ${v.name} is a {type(x).__name__}; TQL parameters are str, int, float, bool, "
+                "datetime or None"
+            )
+        return A.Literal(x, v.span)
+
+    def text(self, v: A.Value, what: str) -> str:
+        lit = self.value(v)
+        assert lit is not None
+        if not isinstance(lit.value, str):
+            raise QueryError(f"{what}{_where(v.span)} must be a string, got {lit.value!r}")
+        return lit.value
+
+    def count(self, v: A.Value | None, what: str, *, minimum: int = 0, maximum: int | None = None) -> int | None:
+        lit = self.value(v)
+        if lit is None:
+            return None
+        x = lit.value
+        if isinstance(x, bool) or not isinstance(x, int) or x < minimum or (maximum is not None and x > maximum):
+            bound = f" and at most {maximum}" if maximum is not None else ""
+            raise QueryError(f"{what}{_where(lit.span)} must be a whole number >= {minimum}{bound}, got {x!r}")
+        return x
+
+    # -- names
+    def session(self, v: A.Value) -> A.Literal:
+        sid = self.text(v, "a session id")
+        if sid not in self.cat.sessions():
+            raise QueryNameError(
+                f"unknown session {sid!r}{did_you_mean(sid, self.cat.sessions())}{known('sessions', self.cat.sessions())}"
+            )
+        return A.Literal(sid, v.span)
+
+    def task(self, v: A.Value) -> A.Literal:
+        tid = self.text(v, "a task id")
+        if tid not in self.cat.tasks():
+            raise QueryNameError(f"unknown task {tid!r}{did_you_mean(tid, self.cat.tasks())}{known('tasks', self.cat.tasks())}")
+        return A.Literal(tid, v.span)
+
+    def via(self, kinds: tuple[str, ...]) -> tuple[str, ...]:
+        for k in kinds:
+            if k not in EDGE_KINDS:
+                raise QueryNameError(f"unknown edge kind {k!r}{did_you_mean(k, EDGE_KINDS)}; kinds: {', '.join(EDGE_KINDS)}")
+        return tuple(dict.fromkeys(kinds)) or LINEAGE_KINDS
+
+    def scope(self, s: A.Scope | None) -> A.Scope | None:
+        if s is None:
+            return None
+        if s.kind == "session":
+            if self.entity == "sessions":
+                raise QueryError("SESSIONS FROM SESSION is not a scope; use SESSIONS WHERE id = '...'")
+            return A.Scope("session", self.session(s.value), s.span)
+        if self.entity == "tasks":
+            raise QueryError("TASKS FROM TASK is not a scope; use TASKS WHERE id = '...'")
+        return A.Scope("task", self.task(s.value), s.span)
+
+    # -- expressions
+    def expr(self, e: A.Expr, *, ranking: bool = False) -> A.Expr:
+        r = self.expr
+        if isinstance(e, A.Literal):
+            return e
+        if isinstance(e, A.Param):
+            lit = self.value(e)
+            assert lit is not None
+            return lit
+        if isinstance(e, A.Column):
+            return self.column(e)
+        if isinstance(e, A.Call):
+            return self.call(e, ranking)
+        if isinstance(e, A.Neg):
+            return A.Neg(r(e.operand, ranking=ranking), e.span)
+        if isinstance(e, A.Binary):
+            return A.Binary(e.op, r(e.left, ranking=ranking), r(e.right, ranking=ranking), e.span)
+        if isinstance(e, A.Not):
+            return A.Not(r(e.operand, ranking=ranking), e.span)
+        if isinstance(e, A.IsNull):
+            return A.IsNull(r(e.operand, ranking=ranking), e.negated, e.span)
+        if isinstance(e, A.InList):
+            return A.InList(r(e.operand, ranking=ranking), tuple(r(i, ranking=ranking) for i in e.items), e.negated,
+                            e.span)
+        if isinstance(e, A.Between):
+            return A.Between(r(e.operand, ranking=ranking), r(e.low, ranking=ranking), r(e.high, ranking=ranking),
+                             e.span)
+        raise QueryError(f"cannot resolve {type(e).__name__}")  # pragma: no cover - the AST has no other kinds
+
+    def column(self, c: A.Column) -> A.Column:
+        name = c.name.lower()
+        cols = ENTITY_COLUMNS[self.entity]
+        if name in cols or name in self.extra_columns:
+            return A.Column(name, c.span)
+        if self.entity == "nodes" and name in NODE_ACCESSORS:
+            self.accessors.add(name)
+            if name == "visits":
+                self.accessors.add("children")
+            return A.Column(name, c.span)
+        options = cols + sorted(self.extra_columns) + (list(NODE_ACCESSORS) if self.entity == "nodes" else [])
+        raise QueryNameError(
+            f"unknown column {c.name!r}{_where(c.span)} for {self.entity}{did_you_mean(name, options)}; "
+            f"columns: {', '.join(options)}"
+        )
+
+    def call(self, c: A.Call, ranking: bool) -> A.Expr:
+        arity = TQL_FUNCTIONS.get(c.name) or SQL_FUNCTIONS.get(c.name)
+        if arity is None:
+            raise QueryNameError(
+                f"unknown function {c.name!r}{_where(c.span)}"
+                f"{did_you_mean(c.name, list(TQL_FUNCTIONS) + list(SQL_FUNCTIONS))}; functions: "
+                f"{', '.join(sorted(TQL_FUNCTIONS) + sorted(SQL_FUNCTIONS))}"
+            )
+        lo, hi = arity
+        if not lo <= len(c.args) <= hi:
+            want = str(lo) if lo == hi else f"{lo} to {hi}"
+            raise QueryError(f"{c.name}() takes {want} argument(s), got {len(c.args)}{_where(c.span)}")
+        if c.name == "reward":
+            if self.entity != "nodes":
+                raise QueryError(f"reward() reads a node's rewards; it is not available on {self.entity}")
+            arg = c.args[0]
+            if not isinstance(arg, A.Literal | A.Param):
+                raise QueryError(f"reward() takes a channel name, e.g. reward('score'){_where(c.span)}")
+            ch = self.text(arg, "a reward channel")
+            if ch not in self.cat.channels():
+                raise QueryNameError(
+                    f"unknown reward channel {ch!r}{did_you_mean(ch, self.cat.channels())}"
+                    f"{known('channels', self.cat.channels())}"
+                )
+            if ch not in self.channels:
+                self.channels.append(ch)
+            return A.Call("reward", (A.Literal(ch, arg.span),), c.span)
+        if c.name == "ucb" and not ranking:
+            raise QueryError(f"ucb() ranks the frontier; use it in RANK BY or ORDER BY{_where(c.span)}")
+        return A.Call(c.name, tuple(self.expr(a, ranking=False) for a in c.args), c.span)
+
+    def order(self, items: tuple[A.OrderItem, ...]) -> tuple[A.OrderItem, ...]:
+        return tuple(A.OrderItem(self.expr(i.expr, ranking=True), i.descending) for i in items)
+
+    def returning(self, items: tuple[A.Proj, ...]) -> tuple[A.Proj, ...]:
+        seen: set[str] = set()
+        out = []
+        for p in items:
+            e = self.expr(p.expr)
+            name = p.alias or _default_name(e)
+            if name in seen:
+                raise QueryError(f"two RETURN columns are named {name!r}; give one an alias with AS")
+            seen.add(name)
+            out.append(A.Proj(e, name))
+        return tuple(out)
+
+    # -- AS OF
+    def as_of(self, a: A.AsOf | None) -> int:
+        cat = self.cat
+        if a is None:
+            return cat.last_commit
+        if a.kind == "commit":
+            n = self.count(a.value, "AS OF COMMIT", minimum=0)
+            assert n is not None
+            if n != 0 and n not in cat.commits:
+                raise UnknownCommitError(f"commit {n} does not exist (last commit is {cat.last_commit}); see `trellis log`")
+            return n
+        if a.kind == "tag":
+            name = self.text(a.value, "AS OF TAG")
+            if name not in cat.tags:
+                raise UnknownTagError(f"unknown tag {name!r}{did_you_mean(name, cat.tags)}{known('tags', cat.tags)}")
+            return cat.tags[name]
+        if a.kind == "timestamp":
+            lit = self.value(a.value)
+            assert lit is not None
+            ts: object = lit.value
+            if isinstance(ts, str):
+                try:
+                    ts = dt.datetime.fromisoformat(ts)
+                except ValueError:
+                    raise QueryError(f"AS OF TIMESTAMP {ts!r} is not an ISO time such as '2026-12-01T10:00:00'") from None
+            if not isinstance(ts, dt.datetime):
+                raise QueryError(f"AS OF TIMESTAMP needs a time, got {ts!r}")
+            ts = ts if ts.tzinfo else ts.replace(tzinfo=dt.UTC)
+            us = (ts - dt.datetime(1970, 1, 1, tzinfo=dt.UTC)) // dt.timedelta(microseconds=1)
+            ids = [i for i, r in cat.commits.items() if int(r["time"] * 1_000_000) <= us]
+            return max(ids) if ids else 0
+        step = self.count(a.value, "AS OF STEP", minimum=0)
+        assert step is not None and a.session is not None
+        sid = self.session(a.session).value
+        assert isinstance(sid, str)
+        cid = cat.step_commit(sid, step)
+        if cid is None:
+            raise QueryError(f"session {sid!r} has no step {step} (no node with step <= {step}); see its nodes")
+        return cid
+
+
+def _default_name(e: A.Expr) -> str:
+    if isinstance(e, A.Column):
+        return e.name
+    if isinstance(e, A.Call):
+        if e.name == "reward" and isinstance(e.args[0], A.Literal):
+            return str(e.args[0].value)
+        return e.name
+    return "value"
+
+
+def resolve(q: A.Query, catalog: Catalog, params: Mapping[str, Any] | None = None) -> Bound:
+    """Check ``q`` against ``catalog`` and bind ``params``; see the module docs."""
+    r = Resolver(catalog, params or {})
+    s = q.statement
+    snapshot = r.as_of(q.as_of)
+    stmt: A.Statement
+    if isinstance(s, A.Select):
+        r.entity = s.entity
+        stmt = replace(
+            s,
+            scope=r.scope(s.scope),
+            where=r.expr(s.where) if s.where is not None else None,
+            order=r.order(s.order),
+            limit=_lit(r.count(s.limit, "LIMIT")),
+            returning=r.returning(s.returning),
+        )
+    elif isinstance(s, A.Frontier):
+        r.accessors.add("children")
+        stmt = replace(
+            s,
+            scope=r.scope(s.scope),
+            where=r.expr(s.where) if s.where is not None else None,
+            expanded=r.expr(s.expanded) if s.expanded is not None else None,
+            rank=r.order(s.rank),
+            diversity=A.Diversity(s.diversity.per, A.Literal(r.count(s.diversity.k, "PER ... k", minimum=1)))
+            if s.diversity is not None
+            else None,
+            limit=_lit(r.count(s.limit, "LIMIT")),
+            returning=r.returning(s.returning),
+        )
+        if s.diversity is not None and s.diversity.per == "parent":
+            r.accessors.add("parent")
+    elif isinstance(s, A.Lineage):
+        r.extra_columns = {"hop"}
+        node = A.Literal(r.text(s.node, "a node id"), s.node.span)
+        stmt = replace(
+            s,
+            node=node,
+            depth=_lit(r.count(s.depth, "the number of hops", minimum=0, maximum=MAX_HOPS)),
+            via=r.via(s.via),
+            where=r.expr(s.where) if s.where is not None else None,
+            returning=r.returning(s.returning),
+        )
+    elif isinstance(s, A.Siblings):
+        r.extra_columns = {"shared_parent"}
+        stmt = replace(
+            s,
+            node=A.Literal(r.text(s.node, "a node id"), s.node.span),
+            via=r.via(s.via),
+            where=r.expr(s.where) if s.where is not None else None,
+            returning=r.returning(s.returning),
+        )
+    else:
+        r.extra_columns = {"hop"}
+        stmt = replace(
+            s,
+            src=A.Literal(r.text(s.src, "a node id"), s.src.span),
+            dst=A.Literal(r.text(s.dst, "a node id"), s.dst.span),
+            via=r.via(s.via),
+            returning=r.returning(s.returning),
+        )
+    unused = set(r.params) - r.used_params
+    if unused:
+        raise QueryNameError(
+            f"parameter(s) {', '.join('$' + u for u in sorted(unused))} given but not used in the query"
+        )
+    return Bound(q, stmt, snapshot, tuple(r.channels), frozenset(r.accessors))
+
+
+def _lit(v: int | None) -> A.Literal | None:
+    return None if v is None else A.Literal(v)

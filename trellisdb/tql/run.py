@@ -1,0 +1,137 @@
+"""Run TQL: parse -> resolve -> plan -> compile -> DuckDB -> Arrow.
+
+This is the stage that touches the database; the others are pure functions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import pyarrow as pa
+
+from trellisdb.errors import UnknownNodeError
+from trellisdb.result import Result
+from trellisdb.tql import ast as A
+from trellisdb.tql.compile import Compiled, compile_plan
+from trellisdb.tql.parser import parse
+from trellisdb.tql.plan import Plan, build
+from trellisdb.tql.resolve import LINEAGE_KINDS, Bound, Catalog, resolve
+
+if TYPE_CHECKING:
+    import networkx as nx
+
+    from trellisdb.database import Database
+
+
+class QueryResult(Result):
+    """The answer to a TQL query: a table, plus its plan, SQL and graph view."""
+
+    def __init__(self, table: pa.Table, db: Database, bound: Bound, plan: Plan, compiled: Compiled) -> None:
+        super().__init__(table, sql=compiled.sql)
+        self.params = compiled.params
+        self.plan = plan
+        self.snapshot = bound.snapshot
+        self._db = db
+        self._bound = bound
+
+    def explain(self) -> str:
+        """The logical plan, the SQL and DuckDB's physical plan."""
+        return explain_text(self._db, self.plan, Compiled(self.sql or "", self.params, None), self.snapshot)  # type: ignore[arg-type]
+
+    def to_networkx(self) -> nx.DiGraph:
+        """The result's nodes (with their columns as attributes) and the edges between them.
+
+        Edges run parent -> child (``src -> dst``) and carry their ``kind``;
+        only edges committed as of the query's snapshot are included.
+        """
+        import networkx as nx
+
+        from trellisdb.errors import QueryError
+
+        if "id" not in self.columns or (isinstance(self._bound.statement, A.Select) and \
+                self._bound.statement.entity != "nodes"):
+            raise QueryError("to_networkx() needs a result of nodes with an id column (e.g. LINEAGE, FRONTIER, NODES)")
+        g: nx.DiGraph = nx.DiGraph()
+        rows = self.to_pylist()
+        for r in rows:
+            g.add_node(r["id"], **{k: v for k, v in r.items() if k != "id"})
+        ids = pa.array([r["id"] for r in rows], pa.string())
+        via = getattr(self._bound.statement, "via", ()) or LINEAGE_KINDS
+        st = self._db._log.refresh()
+        con = self._db._engine.prepare(st, self.snapshot)
+        con.register("__ids", pa.table({"id": ids}))
+        try:
+            edges = con.execute(
+                "SELECT src, dst, kind FROM edges WHERE src IN (SELECT id FROM __ids) AND dst IN (SELECT id FROM __ids) "
+                "ORDER BY src, dst, kind"
+            ).fetchall()
+        finally:
+            con.unregister("__ids")
+        for src, dst, kind in edges:
+            if kind in via or kind in LINEAGE_KINDS:
+                g.add_edge(src, dst, kind=kind)
+        return g
+
+    def __repr__(self) -> str:
+        return f"QueryResult({self._table.num_rows} rows as of commit {self.snapshot}: {', '.join(self.columns)})"
+
+
+def catalog(db: Database) -> Catalog:
+    st = db._log.refresh()
+    return Catalog(
+        channels=lambda: db._names("rewards", "channel"),
+        sessions=lambda: db._names("sessions", "id"),
+        tasks=lambda: db._names("tasks", "id"),
+        tags=st.tags,
+        commits=st.commits,
+        last_commit=st.last_committed,
+        step_commit=lambda s, k: db._step_commit(s, k),
+    )
+
+
+def prepare(db: Database, text: str, params: Mapping[str, Any]) -> tuple[Bound, Plan, Compiled]:
+    q = parse(text)
+    bound = resolve(q, catalog(db), params)
+    plan = build(bound)
+    return bound, plan, compile_plan(plan)
+
+
+def explain_text(db: Database, plan: Plan, compiled: Compiled, snapshot: int) -> str:
+    st = db._log.refresh()
+    physical = db._engine.run(st, snapshot, "EXPLAIN " + compiled.sql, compiled.params)
+    duck = "\n".join(str(v) for v in physical.column(physical.num_columns - 1).to_pylist()) if physical.num_rows else ""
+    params = ", ".join(f"${k} = {v!r}" for k, v in compiled.params.items()) or "none"
+    return (
+        f"-- logical plan\n{plan.pretty()}\n\n-- SQL (DuckDB)\n{compiled.sql}\n-- parameters: {params}\n\n"
+        f"-- DuckDB plan\n{duck}"
+    )
+
+
+def run(db: Database, text: str, params: Mapping[str, Any]) -> QueryResult:
+    bound, plan, compiled = prepare(db, text, params)
+    st = db._log.refresh()
+    if bound.query.explain:
+        out = explain_text(db, plan, compiled, bound.snapshot)
+        table = pa.table({"explain": [out]})
+        return QueryResult(table, db, bound, plan, compiled)
+    table = db._engine.run(st, bound.snapshot, compiled.sql, compiled.params)
+    if table.num_rows == 0:
+        _check_seeds(db, bound)
+    return QueryResult(table, db, bound, plan, compiled)
+
+
+def _check_seeds(db: Database, bound: Bound) -> None:
+    """An empty graph answer because a named node does not exist is an error, not an empty result."""
+    s = bound.statement
+    names: list[A.Value] = []
+    if isinstance(s, A.Lineage | A.Siblings):
+        names = [s.node]
+    elif isinstance(s, A.PathQuery):
+        names = [s.src, s.dst]
+    for v in names:
+        assert isinstance(v, A.Literal)
+        st = db._log.refresh()
+        found = db._engine.run(st, bound.snapshot, "SELECT 1 FROM nodes WHERE id = $1 LIMIT 1", [v.value])
+        if found.num_rows == 0:
+            raise UnknownNodeError(f"node {v.value!r} does not exist as of commit {bound.snapshot}")
