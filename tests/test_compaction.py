@@ -61,6 +61,8 @@ def test_auto_compact_off_leaves_fragments(tmp_path: Path) -> None:
 
 def test_auto_compaction_leaves_large_fragments_alone(tmp_path: Path) -> None:
     """Size tiers: small commits merge with each other, never with a big fragment."""
+    import random
+
     import pyarrow as pa
 
     p = tmp_path / "db"
@@ -68,7 +70,8 @@ def test_auto_compaction_leaves_large_fragments_alone(tmp_path: Path) -> None:
     s = db.session(task="t", agent="a")
     root = s.add_node(id="root")
     db.flush()
-    n = 10_000
+    n = 20_000
+    rng = random.Random(0)
     db.ingest(
         {
             "rewards": pa.table(
@@ -76,6 +79,8 @@ def test_auto_compaction_leaves_large_fragments_alone(tmp_path: Path) -> None:
                     "node_id": ["root"] * n,
                     "channel": [f"c{i}" for i in range(n)],
                     "value": [float(i) for i in range(n)],
+                    # incompressible text, so the fragment is big on disk (> the 1 MiB smallest tier)
+                    "verifier": [f"{rng.getrandbits(128):032x}" * 4 for _ in range(n)],
                 }
             )
         }

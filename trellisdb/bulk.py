@@ -98,20 +98,22 @@ def prepare_bulk(db: Database, tables: Mapping[str, pa.Table]) -> dict[str, pa.T
         miss = _missing(db, "sessions", "id", sess)
         if miss:
             raise UnknownSessionError(f"node(s) name session {miss[0]!r}, which does not exist")
-    for name, col in (("edges", "src"), ("edges", "dst"), ("rewards", "node_id"), ("node_artifacts", "node_id")):
-        if name not in out:
-            continue
-        want = pc.unique(out[name].column(col))
+    # Every node a row refers to exists in the batch or the store: one lookup for all of them.
+    refs = [(n, c) for n, c in (("edges", "src"), ("edges", "dst"), ("rewards", "node_id"),
+                                ("node_artifacts", "node_id"), ("comparisons", "a"), ("comparisons", "b")) if n in out]
+    if refs:
+        want = pc.unique(pa.concat_arrays([out[n].column(c).combine_chunks() for n, c in refs]))
         want = pc.filter(want, pc.invert(pc.is_in(want, node_ids)))
         miss = _missing(db, "nodes", "id", want)
         if miss:
+            name, col = next((n, c) for n, c in refs if pc.any(pc.is_in(out[n].column(c), pa.array(miss[:1]))).as_py())
             err = UnknownParentError if col == "src" else UnknownNodeError
             raise err(f"{name}.{col} names node {miss[0]!r}, which does not exist")
     _check_tasks(db, out)
     if "edges" in out:
         _check_edges(out["edges"])
     if "comparisons" in out:
-        _check_comparisons(db, out["comparisons"], node_ids)
+        _check_comparisons(out["comparisons"])
     if "artifacts" in out:
         out["artifacts"] = _check_artifacts(db, out["artifacts"])
     if "node_artifacts" in out:
@@ -181,12 +183,7 @@ def _check_edges(edges: pa.Table) -> None:
                               "lineage edges join two different nodes")
 
 
-def _check_comparisons(db: Database, comps: pa.Table, node_ids: pa.Array) -> None:
-    ends = pc.unique(pa.concat_arrays([comps.column("a").combine_chunks(), comps.column("b").combine_chunks()]))
-    ends = pc.filter(ends, pc.invert(pc.is_in(ends, node_ids)))
-    miss = _missing(db, "nodes", "id", ends)
-    if miss:
-        raise UnknownNodeError(f"comparisons name node {miss[0]!r}, which does not exist")
+def _check_comparisons(comps: pa.Table) -> None:
     pref = comps.column("preferred")
     ok = pc.or_kleene(pc.is_null(pref), pc.or_(pc.equal(pref, comps.column("a")), pc.equal(pref, comps.column("b"))))
     bad = _first(comps, pc.invert(ok))
@@ -199,18 +196,16 @@ def _sha256_hex(col: pa.ChunkedArray) -> list[str | None]:
     """sha256 of every value, reading the Arrow buffers in place (no copies).
 
     hashlib has no vectorized form; the loop costs ~1 µs per value next to
-    the hashing of the bytes themselves, and hashlib releases the GIL.
+    hashing the bytes themselves (threads do not help: the loop holds the GIL).
     """
     out: list[str | None] = []
     for chunk in col.chunks:
-        arr = chunk.cast(pa.large_binary())
+        arr = chunk if pa.types.is_large_binary(chunk.type) else chunk.cast(pa.large_binary())
         offsets = memoryview(arr.buffers()[1]).cast("q")[arr.offset : arr.offset + len(arr) + 1]
         data = memoryview(arr.buffers()[2] or b"")
         valid = arr.is_valid().to_numpy(zero_copy_only=False)
-        out.extend(
-            hashlib.sha256(data[offsets[i] : offsets[i + 1]]).hexdigest() if valid[i] else None
-            for i in range(len(arr))
-        )
+        sha = hashlib.sha256
+        out.extend(sha(data[offsets[i] : offsets[i + 1]]).hexdigest() if valid[i] else None for i in range(len(arr)))
     return out
 
 

@@ -23,36 +23,56 @@ from trellisdb.schema import DATA_TABLES, table_schema
 #: readers of an older version (queries up to this long) never lose their files.
 PRUNE_GRACE = dt.timedelta(minutes=5)
 
-#: Row counts of the size tiers of automatic compaction: a fragment belongs to
-#: the first tier whose bound exceeds its row count. Lance's own ceiling
-#: (1Mi rows per fragment) is the last bound.
-TIERS = (4096, 32_768, 262_144, 1_048_576)
+#: Byte sizes of the tiers of automatic compaction: a fragment belongs to the
+#: first tier whose bound exceeds its size on disk. Fragments of the last bound
+#: or more are never rewritten automatically (``db.compact()`` still merges them).
+TIER_BYTES = (1 << 20, 8 << 20)
+
+#: Lance's ceiling on rows per fragment.
+MAX_ROWS_PER_FRAGMENT = 1 << 20
 
 
-def tier_target(row_counts: list[int], fanout: int) -> int | None:
+def tier_target(frags: list[tuple[int, int]], fanout: int) -> int | None:
     """The compaction target (rows per fragment) that size-tiered compaction
     needs now, or None when no tier holds ``fanout`` fragments.
 
-    Fragments below a target are merged into fragments of that size, so a
-    compaction at tier ``i`` rewrites at most about ``fanout * TIERS[i]`` rows
-    and each row is rewritten once per tier (log-many times), never on every
-    compaction. The highest full tier wins, since merging it merges the
-    smaller tiers too.
+    ``frags`` are (rows, bytes) per fragment. Fragments below a tier's byte
+    bound are merged into fragments of about that many bytes (the target in
+    rows is the bound over the table's average row size), so a compaction at
+    tier ``i`` rewrites about ``fanout * TIER_BYTES[i]`` bytes, each byte is
+    rewritten once per tier (a few times, never on every compaction), and big
+    fragments are left alone. The highest full tier wins, since merging it
+    merges the smaller tiers too.
 
-    >>> tier_target([100_000] + [3] * 7, fanout=8) is None
+    >>> MiB = 1 << 20
+    >>> tier_target([(100_000, 200 * MiB)] + [(3, 300)] * 7, fanout=8) is None
     True
-    >>> tier_target([100_000] + [3] * 8, fanout=8)
-    4096
-    >>> tier_target([5000] * 8 + [3], fanout=8)
-    32768
+    >>> tier_target([(100_000, 200 * MiB)] + [(3, 300)] * 8, fanout=8)  # 1 MiB of 2 KiB rows
+    500
+    >>> tier_target([(5000, 2 * MiB)] * 8 + [(3, 300)], fanout=8)  # tier 1 full: 8 MiB of 419 B rows
+    20001
+    >>> tier_target([(10_000, 16 * MiB)] * 20, fanout=8) is None  # big fragments stay as they are
+    True
     """
+    rows = sum(r for r, _ in frags)
+    size = sum(b for _, b in frags)
+    if not rows or not size:
+        return None
     lower = 0
     target = None
-    for bound in TIERS:
-        if sum(1 for n in row_counts if lower <= n < bound) >= fanout:
+    for bound in TIER_BYTES:
+        if sum(1 for _, b in frags if lower <= b < bound) >= fanout:
             target = bound
         lower = bound
-    return target
+    if target is None:
+        return None
+    return max(1, min(MAX_ROWS_PER_FRAGMENT, target * rows // size))
+
+
+def _fragment_size(meta: Any) -> tuple[int, int]:
+    rows = int(meta.physical_rows or 0)
+    size = sum(int(f.file_size_bytes or 0) for f in meta.files)
+    return rows, size or rows * 100  # files written without a recorded size: assume small rows
 
 
 class LanceTables:
@@ -104,7 +124,7 @@ class LanceTables:
     def fragment_count(self, name: str) -> int:
         return len(self.dataset(name).get_fragments())
 
-    def compact(self, name: str, target_rows: int = TIERS[-1]) -> dict[str, Any]:
+    def compact(self, name: str, target_rows: int = MAX_ROWS_PER_FRAGMENT) -> dict[str, Any]:
         """Merge fragments smaller than ``target_rows`` (default: all of them)."""
         ds = self.dataset(name)
         m = ds.optimize.compact_files(target_rows_per_fragment=target_rows, materialize_deletions=True)
@@ -115,7 +135,7 @@ class LanceTables:
         """Size-tiered compaction step: merge the highest tier holding ``fanout``
         fragments (see :func:`tier_target`); None when nothing needs merging."""
         frags = self.dataset(name, refresh=False).get_fragments()
-        target = tier_target([f.metadata.physical_rows for f in frags], fanout)
+        target = tier_target([_fragment_size(f.metadata) for f in frags], fanout)
         if target is None:
             return None
         return self.compact(name, target)
