@@ -20,6 +20,8 @@ from trellisdb.errors import (
     InvalidRewardError,
     NotADatabaseError,
     QueryError,
+    QueryNameError,
+    QuerySyntaxError,
     TransactionError,
     TrellisError,
     UnknownCommitError,
@@ -30,6 +32,7 @@ from trellisdb.errors import (
     ValidationError,
 )
 from trellisdb.result import Result
+from trellisdb.tql.run import QueryResult
 from trellisdb.writer import SessionWriter
 
 __version__ = "0.1.0"
@@ -43,6 +46,9 @@ __all__ = [
     "InvalidRewardError",
     "NotADatabaseError",
     "QueryError",
+    "QueryNameError",
+    "QueryResult",
+    "QuerySyntaxError",
     "Result",
     "SessionWriter",
     "TransactionError",

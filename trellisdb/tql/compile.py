@@ -18,7 +18,9 @@ False
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
+import functools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,9 +49,26 @@ class Compiled:
 
     sql: str
     params: dict[str, Any]
-    expression: exp.Expr
+    #: the sqlglot tree (None when the SQL came from the compile cache)
+    expression: exp.Expr | None
     #: output column -> reward channel, for columns that hold a reward
     reward_columns: dict[str, str] = field(default_factory=dict)
+
+
+@functools.lru_cache(maxsize=512)
+def _parsed(sql: str, kind: str) -> exp.Expr:
+    if kind == "column":  # a projection item
+        item: exp.Expr = sqlglot.parse_one(f"SELECT {sql}", dialect=DIALECT).expressions[0]
+        return item
+    if kind == "table":  # a FROM / JOIN item
+        table: exp.Expr = sqlglot.parse_one(f"SELECT 1 FROM {sql}", dialect=DIALECT).args["from_"].this
+        return table
+    return sqlglot.parse_one(sql, dialect=DIALECT)
+
+
+def _template(sql: str, kind: str = "statement") -> Any:
+    """A fixed SQL fragment (names we generate, no user values), parsed once and copied per use."""
+    return _parsed(sql, kind).copy()
 
 
 def reward_column_names(channels: tuple[str, ...], entity_cols: list[str]) -> dict[str, str]:
@@ -83,7 +102,7 @@ class Compiler:
             return exp.Literal.number(str(v)) if v >= 0 else exp.Neg(this=exp.Literal.number(str(-v)))
         if isinstance(v, float):
             return exp.Literal.number(repr(v)) if v >= 0 else exp.Neg(this=exp.Literal.number(repr(-v)))
-        if isinstance(v, str | dt.datetime | dt.date):
+        if isinstance(v, Slot | str | dt.datetime | dt.date):
             self._n += 1
             name = f"v{self._n}"
             self.params[name] = v
@@ -115,8 +134,9 @@ class Compiler:
             if e.name == "ucb":
                 v, n, c = (x(a) for a in e.args)
                 subs = {"__v": exp.paren(v), "__n": exp.paren(n), "__c": exp.paren(c)}
-                return exp.paren(_UCB.transform(
-                    lambda node: subs[node.name].copy() if isinstance(node, exp.Column) and node.name in subs else node
+                return exp.paren(_UCB.copy().transform(
+                    lambda node: subs[node.name].copy() if isinstance(node, exp.Column) and node.name in subs else node,
+                    copy=False,
                 ))
             return exp.Anonymous(this=e.name, expressions=[x(a) for a in e.args])
         if isinstance(e, A.Neg):
@@ -146,12 +166,12 @@ class Compiler:
     def keyed(self, src: str, keys: tuple[A.OrderItem, ...]) -> tuple[str, list[str]]:
         """A CTE adding one column per ordering key (keys may hold window functions)."""
         names = []
-        sel = exp.select(exp.Star()).from_(src)
+        sel = exp.select(exp.Star()).from_(src, copy=False)
         for k in keys:
             self._n += 1
             name = f"__k{self._n}"
             names.append(name)
-            sel = sel.select(exp.alias_(self.expr(k.expr), name, quoted=True))
+            sel = sel.select(exp.alias_(self.expr(k.expr), name, quoted=True), copy=False)
         self.hidden += names
         return (self.cte(sel) if names else src), names
 
@@ -163,35 +183,34 @@ class Compiler:
 
     def op_Scan(self, p: P.Scan) -> str:
         star = "* EXCLUDE (embedding)" if p.entity in ("nodes", "tasks") else "*"
-        sel = sqlglot.parse_one(f"SELECT {star} FROM {p.entity}", dialect=DIALECT)
-        assert isinstance(sel, exp.Select)
+        sel = _template(f"SELECT {star} FROM {p.entity}")
         if p.scope is not None:
             v = self.value(p.scope.value.value)  # type: ignore[union-attr]
             col = "session_id" if p.scope.kind == "session" else "task_id"
             if p.entity == "rewards":
-                sub = exp.select("id").from_("nodes").where(exp.EQ(this=exp.column(col), expression=v))
-                sel = sel.where(exp.column("node_id").isin(query=sub))
+                sub = exp.select("id").from_("nodes", copy=False).where(exp.EQ(this=exp.column(col), expression=v), copy=False)
+                sel = sel.where(exp.column("node_id").isin(query=sub), copy=False)
             else:
-                sel = sel.where(exp.EQ(this=exp.column(col), expression=v))
+                sel = sel.where(exp.EQ(this=exp.column(col), expression=v), copy=False)
         return self.cte(sel)
 
     def _edges(self, kinds: tuple[str, ...]) -> str:
-        sel = exp.select("src", "dst").from_("edges").where(self.kinds_in("kind", kinds))
+        sel = exp.select("src", "dst").from_("edges", copy=False).where(self.kinds_in("kind", kinds), copy=False)
         return self.cte(sel, materialized=True)
 
     def _walk(self, edges: str, seed: exp.Expr, direction: str, max_hops: int) -> str:
         """Recursive CTE of (id, hop); UNION (not ALL) and the hop bound make cycles terminate."""
         near, far = ("dst", "src") if direction == "ancestors" else ("src", "dst")
         name = f"s{len(self.ctes)}"
-        body = sqlglot.parse_one(
+        body = _template(
             f"SELECT CAST(__seed AS VARCHAR) AS id, 0 AS hop "
             f"UNION SELECT e.{far}, w.hop + 1 FROM {name} AS w JOIN {edges} AS e ON e.{near} = w.id "
-            f"WHERE w.hop < {int(max_hops)}",
-            dialect=DIALECT,
+            f"WHERE w.hop < {int(max_hops)}"
         )
-        body = body.transform(lambda n: seed.copy() if isinstance(n, exp.Column) and n.name == "__seed" else n)
+        body = body.transform(lambda n: seed.copy() if isinstance(n, exp.Column) and n.name == "__seed" else n,
+                              copy=False)
         self.cte(body, recursive=True)
-        return self.cte(sqlglot.parse_one(f"SELECT id, min(hop) AS hop FROM {name} GROUP BY id", dialect=DIALECT))
+        return self.cte(_template(f"SELECT id, min(hop) AS hop FROM {name} GROUP BY id"))
 
     def op_Walk(self, p: P.Walk) -> str:
         return self._walk(self._edges(p.kinds), self.value(p.seed), p.direction, p.max_hops)
@@ -199,95 +218,77 @@ class Compiler:
     def op_SiblingsOf(self, p: P.SiblingsOf) -> str:
         e = self._edges(p.kinds)
         node = self.value(p.node)
-        body = sqlglot.parse_one(
+        body = _template(
             f"SELECT s.dst AS id, min(s.src) AS shared_parent FROM {e} AS p JOIN {e} AS s ON s.src = p.src "
-            f"WHERE p.dst = __node AND s.dst <> __node GROUP BY s.dst",
-            dialect=DIALECT,
+            f"WHERE p.dst = __node AND s.dst <> __node GROUP BY s.dst"
         )
-        return self.cte(body.transform(lambda n: node.copy() if isinstance(n, exp.Column) and n.name == "__node" else n))
+        return self.cte(body.transform(
+            lambda n: node.copy() if isinstance(n, exp.Column) and n.name == "__node" else n, copy=False))
 
     def op_ShortestPath(self, p: P.ShortestPath) -> str:
         e = self._edges(p.kinds)
         fwd = self._walk(e, self.value(p.src), "descendants", MAX_HOPS)
         bwd = self._walk(e, self.value(p.dst), "ancestors", MAX_HOPS)
-        body = sqlglot.parse_one(
+        return self.cte(_template(
             f"SELECT f.id, f.hop FROM {fwd} AS f JOIN {bwd} AS b ON b.id = f.id "
-            f"WHERE f.hop + b.hop = (SELECT min(f2.hop + b2.hop) FROM {fwd} AS f2 JOIN {bwd} AS b2 ON b2.id = f2.id)",
-            dialect=DIALECT,
-        )
-        return self.cte(body)
+            f"WHERE f.hop + b.hop = (SELECT min(f2.hop + b2.hop) FROM {fwd} AS f2 JOIN {bwd} AS b2 ON b2.id = f2.id)"
+        ))
 
     def op_Derive(self, p: P.Derive) -> str:
         if isinstance(p.input, P.Scan):
             src = self.compile(p.input)
-            base = exp.select("b.*").from_(exp.alias_(exp.to_table(src), "b"))
+            sel = exp.select("b.*", copy=False).from_(exp.alias_(exp.to_table(src), "b"), copy=False)
             entity_cols = ENTITY_COLUMNS[p.input.entity]
         else:  # a graph relation (id, hop | shared_parent): attach the node rows
             rel = self.compile(p.input)
             extra = "shared_parent" if isinstance(p.input, P.SiblingsOf) else "hop"
-            base = sqlglot.parse_one(
-                f"SELECT b.*, r.{extra} FROM {rel} AS r JOIN (SELECT * EXCLUDE (embedding) FROM nodes) AS b ON b.id = r.id",
-                dialect=DIALECT,
-            )  # type: ignore[assignment]
+            sel = _template(
+                f"SELECT b.*, r.{extra} FROM {rel} AS r JOIN (SELECT * EXCLUDE (embedding) FROM nodes) AS b ON b.id = r.id"
+            )
             entity_cols = ENTITY_COLUMNS["nodes"] + [extra]
-        sel = base
         self.rewards = reward_column_names(p.channels, entity_cols)
         for i, ch in enumerate(p.channels):
             alias = f"r{i}"
-            sub = exp.select("node_id", "value").from_("rewards").where(
-                exp.EQ(this=exp.column("channel"), expression=self.value(ch))
+            sub = _template("SELECT node_id, value FROM rewards").where(
+                exp.EQ(this=exp.column("channel"), expression=self.value(ch)), copy=False
             )
-            sel = sel.join(exp.alias_(exp.paren(sub), alias), on=f"{alias}.node_id = b.id", join_type="left")
-            sel = sel.select(exp.alias_(exp.column("value", table=alias), self.rewards[ch], quoted=True))
+            sel = sel.join(exp.alias_(exp.paren(sub), alias), on=f"{alias}.node_id = b.id", join_type="left",
+                           copy=False)
+            sel = sel.select(exp.alias_(exp.column("value", table=alias), self.rewards[ch], quoted=True), copy=False)
         acc = p.accessors
         kinds = ", ".join(f"'{k}'" for k in (p.kinds or LINEAGE_KINDS))
+        joins: list[tuple[str, str, str]] = []  # (subquery AS alias, ON, select expression)
         if "children" in acc:
-            sel = sel.join(
-                sqlglot.parse_one(
-                    f"(SELECT src, count(*) AS n FROM edges WHERE kind IN ({kinds}) GROUP BY src) AS ch", dialect=DIALECT
-                ),
-                on="ch.src = b.id",
-                join_type="left",
-            )
-            sel = sel.select(sqlglot.parse_one("coalesce(ch.n, 0) AS children", dialect=DIALECT))
-        if "visits" in acc:
-            sel = sel.select(sqlglot.parse_one("coalesce(ch.n, 0) + 1 AS visits", dialect=DIALECT))
+            joins.append((f"(SELECT src, count(*) AS n FROM edges WHERE kind IN ({kinds}) GROUP BY src) AS ch",
+                          "ch.src = b.id", "coalesce(ch.n, 0) AS children"))
+            if "visits" in acc:
+                joins.append(("", "", "coalesce(ch.n, 0) + 1 AS visits"))
         if "parent" in acc:
-            sel = sel.join(
-                sqlglot.parse_one(
-                    f"(SELECT dst, min(src) AS parent FROM edges WHERE kind IN ({kinds}) GROUP BY dst) AS pa",
-                    dialect=DIALECT,
-                ),
-                on="pa.dst = b.id",
-                join_type="left",
-            )
-            sel = sel.select(sqlglot.parse_one("pa.parent AS parent", dialect=DIALECT))
+            joins.append((f"(SELECT dst, min(src) AS parent FROM edges WHERE kind IN ({kinds}) GROUP BY dst) AS pa",
+                          "pa.dst = b.id", "pa.parent AS parent"))
         if "age" in acc:
-            sel = sel.join(
-                sqlglot.parse_one("(SELECT session_id, max(step) AS m FROM nodes GROUP BY session_id) AS ag",
-                                  dialect=DIALECT),
-                on="ag.session_id = b.session_id",
-                join_type="left",
-            )
-            sel = sel.select(sqlglot.parse_one("ag.m - b.step AS age", dialect=DIALECT))
+            joins.append(("(SELECT session_id, max(step) AS m FROM nodes GROUP BY session_id) AS ag",
+                          "ag.session_id = b.session_id", "ag.m - b.step AS age"))
         if "depth" in acc:
             e = self._edges(p.kinds or LINEAGE_KINDS)
             name = f"s{len(self.ctes)}"
-            roots = sqlglot.parse_one(
+            roots = _template(
                 f"SELECT id, 0 AS depth FROM nodes WHERE id NOT IN (SELECT dst FROM {e}) "
                 f"UNION SELECT e.dst, d.depth + 1 FROM {name} AS d JOIN {e} AS e ON e.src = d.id "
-                f"WHERE d.depth < {MAX_HOPS}",
-                dialect=DIALECT,
+                f"WHERE d.depth < {MAX_HOPS}"
             )
             self.cte(roots, recursive=True)
-            dep = self.cte(sqlglot.parse_one(f"SELECT id, min(depth) AS depth FROM {name} GROUP BY id", dialect=DIALECT))
-            sel = sel.join(exp.alias_(exp.to_table(dep), "dp"), on="dp.id = b.id", join_type="left")
-            sel = sel.select(sqlglot.parse_one("dp.depth AS depth", dialect=DIALECT))
+            dep = self.cte(_template(f"SELECT id, min(depth) AS depth FROM {name} GROUP BY id"))
+            joins.append((f"{dep} AS dp", "dp.id = b.id", "dp.depth AS depth"))
+        for table, on, col in joins:
+            if table:
+                sel = sel.join(_template(table, "table"), on=on, join_type="left", copy=False)
+            sel = sel.select(_template(col, "column"), copy=False)
         return self.cte(sel)
 
     def op_Filter(self, p: P.Filter) -> str:
         src = self.compile(p.input)
-        return self.cte(exp.select(exp.Star()).from_(src).where(self.expr(p.predicate)))
+        return self.cte(exp.select(exp.Star()).from_(src, copy=False).where(self.expr(p.predicate), copy=False))
 
     def op_TopPerGroup(self, p: P.TopPerGroup) -> str:
         src, names = self.keyed(self.compile(p.input), p.keys)
@@ -296,7 +297,7 @@ class Compiler:
             partition_by=[exp.column(p.per, quoted=True)],
             order=exp.Order(expressions=self.ordered(p.keys, names, p.tiebreak)),
         )
-        sel = exp.select(exp.Star()).from_(src).qualify(exp.LTE(this=win, expression=exp.Literal.number(p.k)))
+        sel = exp.select(exp.Star()).from_(src, copy=False).qualify(exp.LTE(this=win, expression=exp.Literal.number(p.k)), copy=False)
         self.keys_done = (p.keys, names)
         return self.cte(sel)
 
@@ -312,7 +313,7 @@ class Compiler:
 
     def op_Limit(self, p: P.Limit) -> str:
         src = self.compile(p.input)
-        sel = exp.select(exp.Star()).from_(src).order_by(*[o.copy() for o in self.order]).limit(p.n)
+        sel = exp.select(exp.Star()).from_(src, copy=False).order_by(*[o.copy() for o in self.order], copy=False).limit(p.n, copy=False)
         return self.cte(sel)
 
     def op_Project(self, p: P.Project) -> str:
@@ -323,21 +324,68 @@ class Compiler:
 
     def finish(self, last: str) -> exp.Select:
         if self.projection is not None:
-            sel = exp.select(*self.projection).from_(last)
+            sel = exp.select(*self.projection).from_(last, copy=False)
         else:
             star = exp.Star(**({"except_": [exp.column(h, quoted=True) for h in self.hidden]} if self.hidden else {}))
-            sel = exp.select(star).from_(last)
+            sel = exp.select(star).from_(last, copy=False)
         if self.order:
-            sel = sel.order_by(*[o.copy() for o in self.order])
+            sel = sel.order_by(*[o.copy() for o in self.order], copy=False)
         recursive = any(r for _, _, r in self.ctes)
         for name, body, _ in self.ctes:
-            sel = sel.with_(name, as_=body, recursive=recursive, materialized=True if name in self.materialized else None)
+            sel = sel.with_(name, as_=body, recursive=recursive, materialized=True if name in self.materialized else None, copy=False)
         return sel
 
 
-def compile_plan(plan: P.Plan) -> Compiled:
+@dataclass(frozen=True)
+class Slot:
+    """Stands for the k-th text value of a plan while its shape compiles."""
+
+    k: int
+
+
+def _abstract(obj: Any, values: list[Any]) -> Any:
+    """``obj`` with every text/time value replaced by a Slot (values collected in order).
+
+    Two plans with the same shape (same operators, names and numbers, other
+    strings) compile to the same SQL; only the parameter values differ.
+    Reward channels stay: they name output columns.
+    """
+    if isinstance(obj, A.Literal):
+        if isinstance(obj.value, str | dt.datetime | dt.date):
+            values.append(obj.value)
+            return A.Literal(Slot(len(values) - 1), obj.span)  # type: ignore[arg-type]
+        return obj
+    if isinstance(obj, A.Call) and obj.name == "reward":
+        return obj
+    if isinstance(obj, tuple):
+        return tuple(_abstract(x, values) for x in obj)
+    if isinstance(obj, P.Derive):
+        return dataclasses.replace(obj, input=_abstract(obj.input, values))
+    if isinstance(obj, P.Walk | P.SiblingsOf | P.ShortestPath):
+        changes: dict[str, Any] = {}
+        for f in ("seed", "node", "src", "dst"):
+            if hasattr(obj, f):
+                values.append(getattr(obj, f))
+                changes[f] = Slot(len(values) - 1)
+        return dataclasses.replace(obj, **changes)
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        changes = {f.name: _abstract(getattr(obj, f.name), values) for f in dataclasses.fields(obj)}
+        return dataclasses.replace(obj, **changes)
+    return obj
+
+
+@functools.lru_cache(maxsize=256)
+def _compile_shape(shape: P.Plan) -> tuple[str, dict[str, Any], dict[str, str]]:
     c = Compiler()
-    last = c.compile(plan)
-    tree = c.finish(last)
-    sql = tree.sql(dialect=DIALECT)
-    return Compiled(sql, c.params, tree, {v: k for k, v in c.rewards.items()})
+    last = c.compile(shape)
+    sql = c.finish(last).sql(dialect=DIALECT)
+    return sql, c.params, {v: k for k, v in c.rewards.items()}
+
+
+def compile_plan(plan: P.Plan) -> Compiled:
+    """SQL and parameters for a plan; plans of one shape share one compilation (cached)."""
+    values: list[Any] = []
+    shape = _abstract(plan, values)
+    sql, slots, rewards = _compile_shape(shape)
+    params = {name: values[v.k] if isinstance(v, Slot) else v for name, v in slots.items()}
+    return Compiled(sql, params, None, rewards)

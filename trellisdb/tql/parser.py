@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 from importlib import resources
 
 import lark
@@ -118,11 +119,20 @@ def _position(text: str, pos: int) -> tuple[int, int]:
 
 
 def parse(text: str) -> Query:
-    """Parse a TQL query into its AST; raise :class:`QuerySyntaxError` on any mistake."""
+    """Parse a TQL query into its AST; raise :class:`QuerySyntaxError` on any mistake.
+
+    ASTs are immutable, so the texts parsed last are cached (an agent asks the
+    same question many times with different parameters).
+    """
     if not isinstance(text, str):
         raise QuerySyntaxError(f"a TQL query must be a string, got {type(text).__name__}")
     if len(text) > MAX_QUERY_CHARS:
         raise QuerySyntaxError(f"the query is {len(text)} characters long; the limit is {MAX_QUERY_CHARS}")
+    return _parse(text)
+
+
+@functools.lru_cache(maxsize=1024)
+def _parse(text: str) -> Query:
     if not text.strip():
         raise QuerySyntaxError("the query is empty; try: NODES LIMIT 10")
     p = parser()
@@ -168,9 +178,16 @@ def _syntax_error(text: str, e: UnexpectedInput) -> QuerySyntaxError:
     return QuerySyntaxError(msg, line, col)
 
 
+_CLAUSES = {"RETURN", "WHERE", "ORDER", "LIMIT", "RANK", "PER", "EXPANDED", "VIA", "FROM"}
+
+
 def _hint(text: str, e: UnexpectedInput) -> str | None:
     """The hint whose example fails the same way: same error kind, parser
     state and offending token kind (lark's ``match_examples``, stricter)."""
+    if isinstance(e, UnexpectedToken) and e.token.type in _CLAUSES and "$END" in e.expected:
+        before = text[: e.token.start_pos or 0]
+        if re.search(r"\bas\s+of\b", before, re.IGNORECASE):
+            return f"AS OF comes last: put {e.token.type} ... before AS OF"
     for label, examples in _HINTS.items():
         for ex in examples:
             try:

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 
-from trellisdb.errors import UnknownNodeError
+from trellisdb.errors import QueryError, UnknownNodeError
 from trellisdb.result import Result
 from trellisdb.tql import ast as A
 from trellisdb.tql.compile import Compiled, compile_plan
@@ -37,7 +37,7 @@ class QueryResult(Result):
 
     def explain(self) -> str:
         """The logical plan, the SQL and DuckDB's physical plan."""
-        return explain_text(self._db, self.plan, Compiled(self.sql or "", self.params, None), self.snapshot)  # type: ignore[arg-type]
+        return explain_text(self._db, self.plan, Compiled(self.sql or "", self.params, None), self.snapshot)
 
     def to_networkx(self) -> nx.DiGraph:
         """The result's nodes (with their columns as attributes) and the edges between them.
@@ -92,9 +92,12 @@ def catalog(db: Database) -> Catalog:
 
 def prepare(db: Database, text: str, params: Mapping[str, Any]) -> tuple[Bound, Plan, Compiled]:
     q = parse(text)
-    bound = resolve(q, catalog(db), params)
-    plan = build(bound)
-    return bound, plan, compile_plan(plan)
+    try:
+        bound = resolve(q, catalog(db), params)
+        plan = build(bound)
+        return bound, plan, compile_plan(plan)
+    except RecursionError:
+        raise QueryError("the query nests too deeply to compile; simplify the expression") from None
 
 
 def explain_text(db: Database, plan: Plan, compiled: Compiled, snapshot: int) -> str:
@@ -115,7 +118,16 @@ def run(db: Database, text: str, params: Mapping[str, Any]) -> QueryResult:
         out = explain_text(db, plan, compiled, bound.snapshot)
         table = pa.table({"explain": [out]})
         return QueryResult(table, db, bound, plan, compiled)
-    table = db._engine.run(st, bound.snapshot, compiled.sql, compiled.params)
+    try:
+        table = db._engine.run(st, bound.snapshot, compiled.sql, compiled.params)
+    except QueryError as e:
+        if type(e) is not QueryError:
+            raise
+        first = str(e).split("\n", 1)[0].removeprefix("SQL failed: ")
+        raise QueryError(
+            f"the query failed in DuckDB: {first}. Usually a type mismatch (text vs number); "
+            "`trellis explain` shows the SQL it became"
+        ) from e
     if table.num_rows == 0:
         _check_seeds(db, bound)
     return QueryResult(table, db, bound, plan, compiled)

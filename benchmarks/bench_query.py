@@ -1,0 +1,244 @@
+"""TQL query benchmarks, each figure a ratio against a baseline measured in the same run.
+
+    .venv/bin/python benchmarks/bench_query.py --smoke            # tiny sizes, CI
+    .venv/bin/python benchmarks/bench_query.py --nodes 100000     # by hand
+    .venv/bin/python benchmarks/bench_query.py --nodes 1000000 --sessions 1000
+
+1. frontier and lineage p50/p95 through ``db.query`` vs the same question as
+   hand-written DuckDB SQL over the same rows in Parquet (target <= 1.25x);
+2. the status quo: OpenEvolve-style JSON files read and ranked in Python
+   (frontier), and networkx (build the graph from Parquet + query; lineage);
+3. ``AS OF`` an early commit vs the latest state (target <= 1.5x);
+4. parse + resolve + compile time per query (target <= 2 ms).
+
+The store is built with the calibrated generator (benchmarks/generator.py),
+ingested in chunks (one commit per chunk), without artifacts (queries do not
+read them). Prints a table and writes ``benchmarks/out/query.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+import duckdb  # noqa: E402
+import networkx as nx  # noqa: E402
+import pyarrow as pa  # noqa: E402
+import pyarrow.parquet as pq  # noqa: E402
+from generator import ExperienceGraph, GeneratorConfig  # noqa: E402
+
+import trellisdb  # noqa: E402
+from trellisdb.tql.compile import compile_plan  # noqa: E402
+from trellisdb.tql.parser import parse  # noqa: E402
+from trellisdb.tql.plan import build  # noqa: E402
+from trellisdb.tql.resolve import resolve  # noqa: E402
+from trellisdb.tql.run import catalog  # noqa: E402
+
+CH = "combined_score"
+KINDS = "('derived_from', 'repair_of', 'crossover_of')"
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def timed(fn: Callable[[], Any], reps: int) -> dict[str, float]:
+    fn()  # warm-up
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    ts.sort()
+    return {"p50_ms": statistics.median(ts) * 1e3, "p95_ms": ts[min(len(ts) - 1, int(0.95 * len(ts)))] * 1e3}
+
+
+def build_store(work: str, g: ExperienceGraph, chunk: int) -> tuple[trellisdb.Database, dict[str, str], int]:
+    path = os.path.join(work, "q.db")
+    db = trellisdb.connect(path, embedding_dim=g.dim)
+    pdir = os.path.join(work, "parquet")
+    os.makedirs(pdir)
+    writers: dict[str, pq.ParquetWriter] = {}
+    first_commit = 0
+    for a, b in g.chunk_bounds(chunk):
+        t = {k: v for k, v in g.chunk(a, b).items() if k not in ("artifacts", "node_artifacts")}
+        cid = db.ingest(t, message=f"nodes {a}..")
+        first_commit = first_commit or cid
+        for name, tab in t.items():
+            # the same rows as the store holds: commit_id stamped, the (unqueried) embedding left out
+            tab = tab.drop_columns([c for c in ("embedding", "commit_id") if c in tab.column_names])
+            tab = tab.append_column("commit_id", pa.array([cid] * tab.num_rows, pa.int64()))
+            if name not in writers:
+                writers[name] = pq.ParquetWriter(os.path.join(pdir, f"{name}.parquet"), tab.schema)
+            writers[name].write_table(tab)
+    for w in writers.values():
+        w.close()
+    db.compact()
+    return db, {n: os.path.join(pdir, f"{n}.parquet") for n in writers}, first_commit
+
+
+def hand_sql(pq_paths: dict[str, str]) -> tuple[duckdb.DuckDBPyConnection, dict[str, str]]:
+    con = duckdb.connect(config={"autoinstall_known_extensions": False, "autoload_known_extensions": False})
+    for n, p in pq_paths.items():
+        con.execute(f"CREATE VIEW {n} AS SELECT * FROM read_parquet('{p}')")
+    return con, {
+        "frontier": f"""
+            SELECT n.id, r.value AS score FROM nodes n
+            LEFT JOIN rewards r ON r.node_id = n.id AND r.channel = '{CH}'
+            WHERE n.id NOT IN (SELECT src FROM edges WHERE kind IN {KINDS})
+              AND n.status NOT IN ('expanded', 'closed', 'failed', 'pruned')
+            ORDER BY score DESC NULLS LAST, n.commit_id, n.id LIMIT 10""",
+        "frontier_session_per_parent": f"""
+            WITH c AS (
+              SELECT n.id, n.commit_id, r.value AS score, (SELECT min(src) FROM edges e WHERE e.dst = n.id
+                                              AND e.kind IN {KINDS}) AS parent
+              FROM nodes n LEFT JOIN rewards r ON r.node_id = n.id AND r.channel = '{CH}'
+              WHERE n.session_id = $s AND n.id NOT IN (SELECT src FROM edges WHERE kind IN {KINDS})
+                AND n.status NOT IN ('expanded', 'closed', 'failed', 'pruned'))
+            SELECT id, score FROM c
+            QUALIFY row_number() OVER (PARTITION BY parent ORDER BY score DESC NULLS LAST, commit_id, id) <= 2
+            ORDER BY score DESC NULLS LAST, commit_id, id LIMIT 10""",
+        "lineage": f"""
+            WITH RECURSIVE w(id, hop) AS (
+              SELECT $n, 0 UNION
+              SELECT e.src, w.hop + 1 FROM w JOIN edges e ON e.dst = w.id WHERE e.kind IN {KINDS} AND w.hop < 10000)
+            SELECT n.id, min(w.hop) AS hop FROM w JOIN nodes n ON n.id = w.id GROUP BY n.id, n.commit_id
+            ORDER BY hop, n.commit_id, n.id""",
+    }
+
+
+TQL = {
+    "frontier": f"FRONTIER RANK BY reward('{CH}') DESC LIMIT 10 RETURN id, reward('{CH}') AS score",
+    "frontier_session_per_parent": f"FRONTIER FROM SESSION $s RANK BY reward('{CH}') DESC PER PARENT 2 LIMIT 10 "
+                                   f"RETURN id, reward('{CH}') AS score",
+    "lineage": "LINEAGE OF $n ANCESTORS RETURN id, hop",
+}
+
+
+def json_status_quo(work: str, g: ExperienceGraph, n_files: int) -> dict[str, Any]:
+    """OpenEvolve's way: one JSON per program; read them all, rank the leaves in Python."""
+    jdir = os.path.join(work, "programs")
+    os.makedirs(jdir)
+    n = min(n_files, g.n_nodes)
+    t = g.chunk(0, n)
+    for p in g.openevolve_programs(0, n, t):
+        with open(os.path.join(jdir, f"{p['id']}.json"), "w") as fh:
+            json.dump(p, fh)
+
+    def frontier() -> list[str]:
+        progs = []
+        for f in os.listdir(jdir):
+            with open(os.path.join(jdir, f)) as fh:
+                progs.append(json.load(fh))
+        parents = {p["parent_id"] for p in progs if p.get("parent_id")}
+        leaves = [p for p in progs if p["id"] not in parents]
+        leaves.sort(key=lambda p: (-p["metrics"].get(CH, float("-inf")), p["id"]))
+        return [p["id"] for p in leaves[:10]]
+
+    return {"files": n, **timed(frontier, 3)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--nodes", type=int, default=None, help="nodes (default 100000; smoke 3000)")
+    ap.add_argument("--sessions", type=int, default=None, help="sessions (default nodes/1000, at least 1)")
+    ap.add_argument("--chunk", type=int, default=50_000)
+    ap.add_argument("--reps", type=int, default=None, help="timed repetitions per query (default 15; smoke 3)")
+    ap.add_argument("--json-files", type=int, default=10_000, help="programs written for the JSON status quo")
+    ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--out", default=os.path.join(HERE, "out", "query.json"))
+    args = ap.parse_args(argv)
+    nodes = args.nodes or (3000 if args.smoke else 100_000)
+    sessions = args.sessions or max(1, nodes // 1000)
+    reps = args.reps or (3 if args.smoke else 15)
+    work = os.path.join(HERE, "out", "work-query")
+    shutil.rmtree(work, ignore_errors=True)
+    os.makedirs(work)
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    g = ExperienceGraph(GeneratorConfig(sessions=sessions, nodes_per_session=max(1, nodes // sessions), embedding_dim=8))
+    log(f"building a store of {g.n_nodes} nodes ({sessions} sessions) and the same rows in Parquet")
+    t0 = time.perf_counter()
+    db, pq_paths, first_commit = build_store(work, g, args.chunk)
+    res: dict[str, Any] = {"nodes": g.n_nodes, "sessions": sessions, "build_seconds": time.perf_counter() - t0}
+    con, hand = hand_sql(pq_paths)
+    # a deep node (the last node of the first session) for lineage; the first session for scoped queries
+    sess = db.sql("SELECT id FROM sessions ORDER BY id LIMIT 1").to_pylist()[0]["id"]
+    deep = db.sql("SELECT id FROM nodes WHERE session_id = $1 ORDER BY step DESC LIMIT 1", params=[sess]).to_pylist()[0]["id"]
+    params = {"frontier": {}, "frontier_session_per_parent": {"s": sess}, "lineage": {"n": deep}}
+    rows: list[dict[str, Any]] = []
+    for name, tql in TQL.items():
+        log(f"1. {name}: db.query vs hand-written DuckDB SQL over Parquet")
+        mine = db.query(tql, **params[name]).to_pylist()
+        theirs = con.execute(hand[name], params[name] or None).fetchall()
+        if [tuple(r.values()) for r in mine] != [tuple(r) for r in theirs]:
+            raise SystemExit(f"{name}: TQL and the hand-written SQL disagree:\n{mine[:5]}\n{theirs[:5]}")
+        a = timed(lambda t=tql, p=params[name]: db.query(t, **p), reps)
+        b = timed(lambda q=hand[name], p=params[name]: con.execute(q, p or None).fetchall(), reps)
+        rows.append({"measure": f"{name} p50/p95 ms vs hand SQL on Parquet", "mine": a, "base": b,
+                     "ratio": a["p50_ms"] / b["p50_ms"], "target": "<= 1.25"})
+    log("2. networkx: build the lineage graph from Parquet, then ancestors of the deep node")
+
+    def nx_lineage() -> int:
+        e = pq.read_table(pq_paths["edges"], columns=["src", "dst", "kind"]).to_pydict()
+        gr = nx.DiGraph()
+        gr.add_edges_from((s, d) for s, d, k in zip(e["src"], e["dst"], e["kind"], strict=True)
+                          if k in ("derived_from", "repair_of", "crossover_of"))
+        return len(nx.ancestors(gr, deep)) + 1
+
+    nx_t = timed(nx_lineage, max(1, reps // 5))
+    lin = next(r for r in rows if r["measure"].startswith("lineage"))
+    rows.append({"measure": "lineage p50 ms vs networkx (build + ancestors)", "mine": lin["mine"], "base": nx_t,
+                 "ratio": lin["mine"]["p50_ms"] / nx_t["p50_ms"], "target": "(reported)"})
+    log("2. OpenEvolve status quo: JSON files read and ranked in Python")
+    js = json_status_quo(work, g, args.json_files)
+    fr = rows[0]
+    rows.append({"measure": f"frontier p50 ms vs JSON files in Python ({js['files']} files)", "mine": fr["mine"],
+                 "base": js, "ratio": fr["mine"]["p50_ms"] / js["p50_ms"], "target": "(reported)"})
+    log("3. AS OF the first commit vs the latest state")
+    early = f"FRONTIER RANK BY reward('{CH}') DESC LIMIT 10 RETURN id AS OF COMMIT {first_commit}"
+    latest = f"FRONTIER RANK BY reward('{CH}') DESC LIMIT 10 RETURN id"
+    a = timed(lambda: db.query(early), reps)
+    b = timed(lambda: db.query(latest), reps)
+    rows.append({"measure": "frontier AS OF first commit vs latest", "mine": a, "base": b,
+                 "ratio": a["p50_ms"] / b["p50_ms"], "target": "<= 1.5"})
+    log("4. parse + resolve + compile per query")
+    cat = catalog(db)
+    cat.channels()
+    cat.sessions()
+    per: dict[str, float] = {}
+    for name, tql in TQL.items():
+        def compile_only(t: str = tql, p: dict[str, Any] = params[name]) -> None:
+            compile_plan(build(resolve(parse(t), cat, p)))
+        per[name] = timed(compile_only, max(reps, 20))["p50_ms"]
+    worst = max(per.values())
+    rows.append({"measure": "parse+resolve+compile ms (worst query)", "mine": {"p50_ms": worst, "p95_ms": worst},
+                 "base": {"p50_ms": 2.0, "p95_ms": 2.0}, "ratio": worst / 2.0, "target": "<= 1 (2 ms)"})
+    res["rows"] = rows
+    res["compile_ms"] = per
+    with open(args.out, "w") as fh:
+        json.dump(res, fh, indent=1, default=str)
+    print(f"\ntrellisdb query benchmark: {g.n_nodes} nodes, {sessions} sessions, {os.cpu_count()} CPUs"
+          f"{' (smoke)' if args.smoke else ''}")
+    print(f"{'measure':62} {'trellisdb':>15} {'baseline':>15} {'ratio':>6}  target")
+    for r in rows:
+        m, b = r["mine"], r["base"]
+        print(f"{r['measure']:62} {m['p50_ms']:7.1f}/{m['p95_ms']:<7.1f} {b['p50_ms']:7.1f}/{b['p95_ms']:<7.1f} "
+              f"{r['ratio']:6.2f}  {r['target']}")
+    print(f"wrote {args.out}")
+    db.close()
+    shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
