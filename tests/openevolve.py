@@ -16,7 +16,25 @@ from typing import Any
 
 import trellisdb
 
-DATA = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "openevolve-circle-packing", "checkpoints")
+def _find_data() -> str:
+    """``$TRELLIS_SHARED_DATA``, else ``../shared/data`` beside the checkout (or above it)."""
+    env = os.environ.get("TRELLIS_SHARED_DATA")
+    roots = [env] if env else []
+    here = os.path.abspath(os.path.dirname(__file__))
+    while True:
+        roots.append(os.path.join(here, "shared", "data"))
+        up = os.path.dirname(here)
+        if up == here:
+            break
+        here = up
+    for r in roots:
+        path = os.path.join(r, "openevolve-circle-packing", "checkpoints")
+        if os.path.isdir(path):
+            return path
+    return os.path.join(roots[0], "openevolve-circle-packing", "checkpoints")
+
+
+DATA = _find_data()
 TASK = "circle-packing-26"
 
 
