@@ -16,6 +16,7 @@ from typing import Any
 
 import trellisdb
 
+
 def _find_data() -> str:
     """``$TRELLIS_SHARED_DATA``, else ``../shared/data`` beside the checkout (or above it)."""
     env = os.environ.get("TRELLIS_SHARED_DATA")

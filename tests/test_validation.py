@@ -519,3 +519,10 @@ def test_ingest_edges_tasks_and_comparisons(db: trellisdb.Database, writer: trel
                "comparisons": pa.table({"id": ["c1", "c2"], "a": ["root"] * 2, "b": ["other"] * 2,
                                         "preferred": ["other", None]})})
     assert db.sql("SELECT count(*) AS n FROM comparisons").to_pylist() == [{"n": 2}]
+
+
+def test_ingest_duplicate_keys_in_one_batch_keep_the_last(db: trellisdb.Database, writer: trellisdb.SessionWriter) -> None:
+    db.ingest({"rewards": pa.table({"node_id": ["root", "other", "root"], "channel": ["s", "s", "s"],
+                                    "value": [1.0, 2.0, 3.0]})})
+    assert db.sql("SELECT node_id, value FROM rewards_history WHERE channel = 's' ORDER BY node_id").to_pylist() == [
+        {"node_id": "other", "value": 2.0}, {"node_id": "root", "value": 3.0}]

@@ -18,7 +18,7 @@ from trellisdb.errors import (
     UnknownSessionError,
     ValidationError,
 )
-from trellisdb.schema import DATA_TABLES, EDGE_KINDS, table_schema
+from trellisdb.schema import DATA_TABLES, EDGE_KINDS, KEYS, table_schema
 
 if TYPE_CHECKING:
     from trellisdb.database import Database
@@ -134,7 +134,28 @@ def prepare_bulk(db: Database, tables: Mapping[str, pa.Table]) -> dict[str, pa.T
             raise InvalidRewardError(
                 f"reward {first['channel']!r} of node {first['node_id']!r} is {first['value']!r}; rewards must be finite"
             )
+    for name in list(out):
+        if name not in ("nodes", "artifacts"):  # duplicate node ids are an error; same hash = same bytes
+            out[name] = last_per_key(out[name], KEYS[name])
     return out
+
+
+def last_per_key(t: pa.Table, keys: tuple[str, ...]) -> pa.Table:
+    """The table with one row per key, the last one written (as a commit of single writes does).
+
+    Two rows with one key in one commit would share a commit id, and the
+    current state would have no defined winner.
+
+    >>> last_per_key(pa.table({"k": ["a", "b", "a"], "v": [1, 2, 3]}), ("k",)).to_pylist()
+    [{'k': 'b', 'v': 2}, {'k': 'a', 'v': 3}]
+    """
+    if t.num_rows < 2:
+        return t
+    idx = t.select(list(keys)).append_column("__i", pa.array(range(t.num_rows), pa.int64()))
+    last = idx.group_by(list(keys), use_threads=False).aggregate([("__i", "max")]).column("__i_max")
+    if len(last) == t.num_rows:
+        return t
+    return t.take(pc.take(last, pc.sort_indices(last)))
 
 
 def _present(db: Database, table: str, col: str, ids: pa.Array) -> list[str]:
