@@ -72,12 +72,16 @@ def run_demo(path: str, *, sessions: int = 3, steps: int = 12, seed: int = 7) ->
             "table",
         )
     )
-    q = (
-        "SELECT n.id, n.summary, r.value AS combined_score FROM nodes n JOIN rewards r "
-        "ON r.node_id = n.id AND r.channel = 'combined_score' ORDER BY r.value DESC, n.id LIMIT 3"
-    )
-    print("\nbest programs now:")
-    print(format_table(db.sql(q).to_arrow(), "table"))
-    print(f"\nbest programs AS OF tag {halfway_tag!r} (what the agent knew then):")
-    print(format_table(db.sql(q, as_of=halfway_tag).to_arrow(), "table"))
+    q = "NODES WHERE reward('combined_score') IS NOT NULL ORDER BY reward('combined_score') DESC LIMIT 3 " \
+        "RETURN id, summary, reward('combined_score')"
+    print(f"\nbest programs now:\n  trellis query \"{q}\"")
+    print(format_table(db.query(q).to_arrow(), "table"))
+    print(f"\nbest programs AS OF TAG {halfway_tag!r} (what the agent knew then):")
+    print(format_table(db.query(f"{q} AS OF TAG $tag", tag=halfway_tag).to_arrow(), "table"))
+    fq = "FRONTIER RANK BY ucb(reward('combined_score'), visits, 0.5) DESC PER SESSION 1 LIMIT 3 RETURN id, session_id"
+    print(f"\nwhat to expand next, one per session:\n  trellis query \"{fq}\"")
+    print(format_table(db.query(fq).to_arrow(), "table"))
+    best = db.query(q).to_pylist()[0]["id"]
+    print(f"\nwhere the best program came from:\n  trellis query \"LINEAGE OF '{best}' ANCESTORS RETURN id, hop, summary\"")
+    print(format_table(db.query("LINEAGE OF $n ANCESTORS RETURN id, hop, summary", n=best).to_arrow(), "table"))
     db.close()
