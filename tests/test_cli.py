@@ -18,7 +18,8 @@ def test_init_demo_log_sql_tag_compact_verify(tmp_path: Path, capsys: pytest.Cap
     assert "embedding dimension 8" in capsys.readouterr().out
     assert main(["--db", db, "demo", "--sessions", "2", "--steps", "4"]) == 0
     out = capsys.readouterr().out
-    assert "best programs AS OF tag 'after-session-0'" in out
+    assert "best programs AS OF TAG 'after-session-0'" in out
+    assert "what to expand next" in out and "where the best program came from" in out
     assert main(["--db", db, "sql", "SELECT count(*) AS n FROM sessions", "--format", "json"]) == 0
     assert json.loads(capsys.readouterr().out) == {"n": 2}
     assert main(["--db", db, "sql", "SELECT count(*) AS n FROM sessions", "--as-of", "after-session-0",
@@ -49,3 +50,20 @@ def test_python_dash_m_and_env_default(tmp_path: Path) -> None:
     r = subprocess.run([sys.executable, "-m", "trellisdb", "init"], env=env, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     assert (tmp_path / "envdb" / "trellis.json").exists()
+
+
+def test_query_and_explain(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    db = str(tmp_path / "db")
+    assert main(["--db", db, "demo", "--sessions", "2", "--steps", "4"]) == 0
+    capsys.readouterr()
+    q = "FRONTIER RANK BY reward($ch) DESC LIMIT $k RETURN id, reward($ch) AS s"
+    assert main(["--db", db, "query", q, "--param", "ch=combined_score", "-p", "k=2", "--format", "json"]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert len(rows) == 2 and rows[0]["s"] >= rows[1]["s"]
+    assert main(["--db", db, "explain", "LINEAGE OF $n ANCESTORS", "-p", f"n={rows[0]['id']}"]) == 0
+    out = capsys.readouterr().out
+    assert "-- logical plan" in out and "Walk ancestors" in out and "-- DuckDB plan" in out
+    assert main(["--db", db, "query", "NODES WHERE"]) == 1
+    assert "line 1, column 12" in capsys.readouterr().err
+    assert main(["--db", db, "query", "NODES", "--param", "oops"]) == 1
+    assert "NAME=VALUE" in capsys.readouterr().err
