@@ -239,6 +239,8 @@ class Compiler:
             src = self.compile(p.input)
             sel = exp.select("b.*", copy=False).from_(exp.alias_(exp.to_table(src), "b"), copy=False)
             entity_cols = ENTITY_COLUMNS[p.input.entity]
+            # a scoped scan: aggregate only the edges of its nodes, not of the whole graph
+            ids = f" AND {{col}} IN (SELECT id FROM {src})" if p.input.scope is not None else ""
         else:  # a graph relation (id, hop | shared_parent): attach the node rows
             rel = self.compile(p.input)
             extra = "shared_parent" if isinstance(p.input, P.SiblingsOf) else "hop"
@@ -246,6 +248,7 @@ class Compiler:
                 f"SELECT b.*, r.{extra} FROM {rel} AS r JOIN (SELECT * EXCLUDE (embedding) FROM nodes) AS b ON b.id = r.id"
             )
             entity_cols = ENTITY_COLUMNS["nodes"] + [extra]
+            ids = f" AND {{col}} IN (SELECT id FROM {rel})"  # only the nodes the walk reached
         self.rewards = reward_column_names(p.channels, entity_cols)
         for i, ch in enumerate(p.channels):
             alias = f"r{i}"
@@ -259,12 +262,14 @@ class Compiler:
         kinds = ", ".join(f"'{k}'" for k in (p.kinds or LINEAGE_KINDS))
         joins: list[tuple[str, str, str]] = []  # (subquery AS alias, ON, select expression)
         if "children" in acc:
-            joins.append((f"(SELECT src, count(*) AS n FROM edges WHERE kind IN ({kinds}) GROUP BY src) AS ch",
+            joins.append((f"(SELECT src, count(*) AS n FROM edges WHERE kind IN ({kinds}){ids.format(col='src')} "
+                          "GROUP BY src) AS ch",
                           "ch.src = b.id", "coalesce(ch.n, 0) AS children"))
             if "visits" in acc:
                 joins.append(("", "", "coalesce(ch.n, 0) + 1 AS visits"))
         if "parent" in acc:
-            joins.append((f"(SELECT dst, min(src) AS parent FROM edges WHERE kind IN ({kinds}) GROUP BY dst) AS pa",
+            joins.append((f"(SELECT dst, min(src) AS parent FROM edges WHERE kind IN ({kinds}){ids.format(col='dst')} "
+                          "GROUP BY dst) AS pa",
                           "pa.dst = b.id", "pa.parent AS parent"))
         if "age" in acc:
             joins.append(("(SELECT session_id, max(step) AS m FROM nodes GROUP BY session_id) AS ag",
