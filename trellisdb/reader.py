@@ -174,9 +174,13 @@ class SqlEngine:
                     f"QUALIFY row_number() OVER (PARTITION BY {', '.join(KEYS[name])} ORDER BY commit_id DESC) = 1"
                 )
                 continue
+            sup = f"(SELECT * FROM __sup_{name} WHERE by_commit <= {int(snapshot)})"
+            row = con.execute(f"SELECT count(*) FROM {sup}").fetchone()
+            if not row or not row[0]:  # nothing superseded (yet): current = visible, no join to pay
+                con.execute(f"CREATE OR REPLACE TEMP VIEW {name} AS SELECT * FROM {name}_history")
+                continue
             con.execute(
-                f"CREATE OR REPLACE TEMP VIEW {name} AS SELECT h.* FROM {name}_history h "
-                f"ANTI JOIN (SELECT * FROM __sup_{name} WHERE by_commit <= {int(snapshot)}) s ON {on}"
+                f"CREATE OR REPLACE TEMP VIEW {name} AS SELECT h.* FROM {name}_history h ANTI JOIN {sup} s ON {on}"
             )
 
     def run(

@@ -261,6 +261,9 @@ class Compiler:
         acc = p.accessors
         kinds = ", ".join(f"'{k}'" for k in (p.kinds or LINEAGE_KINDS))
         joins: list[tuple[str, str, str]] = []  # (subquery AS alias, ON, select expression)
+        if "has_children" in acc:
+            joins.append(("", "", f"b.id IN (SELECT src FROM edges WHERE kind IN ({kinds}){ids.format(col='src')}) "
+                                  "AS has_children"))
         if "children" in acc:
             joins.append((f"(SELECT src, count(*) AS n FROM edges WHERE kind IN ({kinds}){ids.format(col='src')} "
                           "GROUP BY src) AS ch",

@@ -203,10 +203,11 @@ def _keys(keys: tuple[A.OrderItem, ...], tie: tuple[str, ...]) -> str:
 
 
 def default_expanded() -> A.Expr:
-    """The default EXPANDED WHEN: the node has a child, or a closed status."""
+    """The default EXPANDED WHEN: the node has a child (``has_children``, i.e.
+    ``children > 0``), or a closed status."""
     return A.Binary(
         "OR",
-        A.Binary(">", A.Column("children"), A.Literal(0)),
+        A.Column("has_children"),
         A.InList(A.Column("status"), tuple(A.Literal(s) for s in CLOSED_STATUSES), False),
     )
 

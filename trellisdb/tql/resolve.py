@@ -340,7 +340,8 @@ def resolve(q: A.Query, catalog: Catalog, params: Mapping[str, Any] | None = Non
             returning=r.returning(s.returning),
         )
     elif isinstance(s, A.Frontier):
-        r.accessors.add("children")
+        if s.expanded is None:
+            r.accessors.add("has_children")  # the default EXPANDED rule: a mark join, not a count
         stmt = replace(
             s,
             scope=r.scope(s.scope),
