@@ -92,10 +92,7 @@ def prepare_bulk(db: Database, tables: Mapping[str, pa.Table]) -> dict[str, pa.T
         clash = _present(db, "nodes", "id", node_ids)
         if clash:
             raise DuplicateIdError(f"node id {clash[0]!r} already exists; bulk ingest writes new nodes only")
-        sess = pc.unique(nodes.column("session_id")) if nodes.num_rows else empty
-        if "sessions" in out:
-            sess = pc.filter(sess, pc.invert(pc.is_in(sess, out["sessions"].column("id"))))
-        miss = _missing(db, "sessions", "id", sess)
+        miss = _dangling(db, out, ("nodes", "session_id"), ("sessions", "id"))
         if miss:
             raise UnknownSessionError(f"node(s) name session {miss[0]!r}, which does not exist")
     # Every node a row refers to exists in the batch or the store: one lookup for all of them.
@@ -117,10 +114,7 @@ def prepare_bulk(db: Database, tables: Mapping[str, pa.Table]) -> dict[str, pa.T
     if "artifacts" in out:
         out["artifacts"] = _check_artifacts(db, out["artifacts"])
     if "node_artifacts" in out:
-        want = pc.unique(out["node_artifacts"].column("hash"))
-        if "artifacts" in out:
-            want = pc.filter(want, pc.invert(pc.is_in(want, out["artifacts"].column("hash"))))
-        miss = _missing(db, "artifacts", "hash", want)
+        miss = _dangling(db, out, ("node_artifacts", "hash"), ("artifacts", "hash"))
         if miss:
             raise ValidationError(
                 f"node_artifacts.hash names artifact {miss[0]!r}, which does not exist; "
@@ -177,15 +171,21 @@ def _first(t: pa.Table, mask: pa.ChunkedArray | pa.Array) -> dict[str, object] |
     return row
 
 
+def _dangling(db: Database, out: dict[str, pa.Table], ref: tuple[str, str], target: tuple[str, str]) -> list[str]:
+    """Values of ``ref`` (table, column) found neither in the batch's ``target``
+    table nor in the store (up to 5, for the message)."""
+    want = pc.unique(out[ref[0]].column(ref[1]))
+    if target[0] in out:
+        want = pc.filter(want, pc.invert(pc.is_in(want, out[target[0]].column(target[1]))))
+    return _missing(db, target[0], target[1], want)
+
+
 def _check_tasks(db: Database, out: dict[str, pa.Table]) -> None:
     """Sessions and nodes name tasks that exist (in the batch or the database)."""
     for name in ("sessions", "nodes"):
         if name not in out:
             continue
-        want = pc.unique(out[name].column("task_id"))
-        if "tasks" in out:
-            want = pc.filter(want, pc.invert(pc.is_in(want, out["tasks"].column("id"))))
-        miss = _missing(db, "tasks", "id", want)
+        miss = _dangling(db, out, (name, "task_id"), ("tasks", "id"))
         if miss:
             raise ValidationError(
                 f"{name}.task_id names task {miss[0]!r}, which does not exist; add it with db.add_task "
