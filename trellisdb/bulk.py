@@ -63,17 +63,26 @@ def conform(name: str, t: pa.Table, dim: int) -> pa.Table:
     return pa.Table.from_arrays(cols, schema=sch)
 
 
-def _missing(db: Database, table: str, col: str, ids: pa.Array) -> list[str]:
-    if not len(ids):
-        return []
+def _in_store(db: Database, values: pa.Array, table: str, col: str, *, present: bool, limit: int | None = None) -> pa.Array:
+    """The distinct ``values`` that ``table.col`` holds (``present``) or lacks, as of the latest commit."""
+    if not len(values):
+        return values
     st = db._log.refresh()
     con = db._engine.prepare(st, st.last_committed)
-    con.register("__want", pa.table({"id": ids}))
-    rows = con.execute(
-        f"SELECT w.id FROM __want w ANTI JOIN (SELECT DISTINCT {col} AS id FROM {table}_history) h USING (id) LIMIT 5"
-    ).fetchall()
-    con.unregister("__want")
-    return [r[0] for r in rows]
+    con.register("__want", pa.table({"v": values}))
+    try:
+        join = "SEMI" if present else "ANTI"
+        cap = f" LIMIT {int(limit)}" if limit else ""
+        t = con.sql(f"SELECT DISTINCT w.v FROM __want w {join} JOIN {table}_history h ON h.{col} = w.v{cap}").to_arrow_table()
+    finally:
+        con.unregister("__want")
+    return t.column("v").combine_chunks()
+
+
+def _missing(db: Database, table: str, col: str, ids: pa.Array) -> list[str]:
+    """Up to 5 of ``ids`` that ``table.col`` does not hold (for the error message)."""
+    missing: list[str] = _in_store(db, ids, table, col, present=False, limit=5).to_pylist()
+    return missing
 
 
 def prepare_bulk(db: Database, tables: Mapping[str, pa.Table]) -> dict[str, pa.Table]:
@@ -89,9 +98,9 @@ def prepare_bulk(db: Database, tables: Mapping[str, pa.Table]) -> dict[str, pa.T
             vc = pc.value_counts(node_ids)
             dup = pc.filter(vc.field("values"), pc.greater(vc.field("counts"), 1))[0].as_py()
             raise DuplicateIdError(f"node id {dup!r} appears more than once in the batch")
-        clash = _present(db, "nodes", "id", node_ids)
-        if clash:
-            raise DuplicateIdError(f"node id {clash[0]!r} already exists; bulk ingest writes new nodes only")
+        clash = _in_store(db, node_ids, "nodes", "id", present=True, limit=1)
+        if len(clash):
+            raise DuplicateIdError(f"node id {clash[0].as_py()!r} already exists; bulk ingest writes new nodes only")
         miss = _dangling(db, out, ("nodes", "session_id"), ("sessions", "id"))
         if miss:
             raise UnknownSessionError(f"node(s) name session {miss[0]!r}, which does not exist")
@@ -121,15 +130,13 @@ def prepare_bulk(db: Database, tables: Mapping[str, pa.Table]) -> dict[str, pa.T
                 "ingest its content in the artifacts table"
             )
     if "rewards" in out:
-        v = out["rewards"].column("value")
-        bad = pc.invert(pc.is_finite(v))
-        if pc.any(bad).as_py():
-            first = pc.filter(out["rewards"], bad).slice(0, 1).to_pylist()[0]
+        first = _first(out["rewards"], pc.invert(pc.is_finite(out["rewards"].column("value"))))
+        if first is not None:
             raise InvalidRewardError(
                 f"reward {first['channel']!r} of node {first['node_id']!r} is {first['value']!r}; rewards must be finite"
             )
     for name in list(out):
-        if name not in ("nodes", "artifacts"):  # duplicate node ids are an error; same hash = same bytes
+        if name != "nodes":  # duplicate node ids are an error (above)
             out[name] = last_per_key(out[name], KEYS[name])
     return out
 
@@ -150,17 +157,6 @@ def last_per_key(t: pa.Table, keys: tuple[str, ...]) -> pa.Table:
     if len(last) == t.num_rows:
         return t
     return t.take(pc.take(last, pc.sort_indices(last)))
-
-
-def _present(db: Database, table: str, col: str, ids: pa.Array) -> list[str]:
-    if not len(ids):
-        return []
-    st = db._log.refresh()
-    con = db._engine.prepare(st, st.last_committed)
-    con.register("__want", pa.table({"id": ids}))
-    rows = con.execute(f"SELECT w.id FROM __want w SEMI JOIN {table}_history h ON h.{col} = w.id LIMIT 5").fetchall()
-    con.unregister("__want")
-    return [r[0] for r in rows]
 
 
 def _first(t: pa.Table, mask: pa.ChunkedArray | pa.Array) -> dict[str, object] | None:
@@ -254,24 +250,8 @@ def _check_artifacts(db: Database, arts: pa.Table) -> pa.Table:
             f"artifact {hashes[i].as_py()!r} says size {size[i].as_py()} but its content is {length[i].as_py()} bytes"
         )
     arts = arts.set_column(arts.schema.get_field_index("size"), arts.schema.field("size"), pc.coalesce(size, length))
-    # Same bytes are stored once: within the batch and against the store.
-    if pc.count_distinct(hashes).as_py() != len(hashes):
-        idx = arts.append_column("__i", pa.array(range(arts.num_rows), pa.int64()))
-        first = idx.group_by("hash", use_threads=False).aggregate([("__i", "min")]).column("__i_min")
-        arts = arts.take(pc.take(first, pc.sort_indices(first)))  # the first row of each hash, in batch order
-    have = _present_all(db, "artifacts", "hash", arts.column("hash").combine_chunks())
+    # Same bytes are stored once: against the store here; within the batch, one row per key (below).
+    have = _in_store(db, arts.column("hash").combine_chunks(), "artifacts", "hash", present=True)
     if len(have):
         arts = arts.filter(pc.invert(pc.is_in(arts.column("hash"), have)))
     return arts
-
-
-def _present_all(db: Database, table: str, col: str, values: pa.Array) -> pa.Array:
-    """The distinct ``values`` that ``table.col`` already holds (committed)."""
-    if not len(values):
-        return values
-    st = db._log.refresh()
-    con = db._engine.prepare(st, st.last_committed)
-    con.register("__want", pa.table({"v": values}))
-    t = con.sql(f"SELECT DISTINCT w.v FROM __want w SEMI JOIN {table}_history h ON h.{col} = w.v").to_arrow_table()
-    con.unregister("__want")
-    return t.column("v").combine_chunks()

@@ -550,11 +550,7 @@ class Database:
                 raise UnknownTagError(f"{as_of!r} is neither a tag nor an ISO timestamp{hint}") from None
             as_of = ts
         if isinstance(as_of, dt.datetime):
-            ts = as_of if as_of.tzinfo else as_of.replace(tzinfo=dt.UTC)
-            # compare in whole microseconds: the precision `log()` and `commits` show
-            us = (ts - dt.datetime(1970, 1, 1, tzinfo=dt.UTC)) // dt.timedelta(microseconds=1)
-            ids = [i for i, r in st.commits.items() if int(r["time"] * 1_000_000) <= us]
-            return max(ids) if ids else 0
+            return commit_log.last_commit_at(st.commits, as_of)
         raise ValidationError(f"as_of must be a commit id, tag or timestamp, not {type(as_of).__name__}")
 
     def sql(
@@ -603,32 +599,25 @@ class Database:
     def _names(self, table: str, col: str) -> set[str]:
         """Distinct values of a name column (channels, session ids, task ids), cached
         and extended incrementally by the commits since the last look."""
-        st = self._log.refresh()
-        cache = self._name_cache.setdefault((table, col), (set(), 0))
-        known, upto = cache
-        if upto < st.last_committed:
-            t = self._engine.run(
-                st, st.last_committed, f"SELECT DISTINCT {col} AS v FROM {table}_history WHERE commit_id > $1", [upto]
-            )
-            known |= set(t.column("v").to_pylist())
-            self._name_cache[(table, col)] = (known, st.last_committed)
+        last = self._log.refresh().last_committed
+        known, upto = self._name_cache.setdefault((table, col), (set(), 0))
+        if upto < last:
+            rows = self._lookup(f"SELECT DISTINCT {col} AS v FROM {table}_history WHERE commit_id > $1", [upto], at=last)
+            known |= {r["v"] for r in rows}
+            self._name_cache[(table, col)] = (known, last)
         return known
 
     def _step_commit(self, session_id: str, step: int) -> int | None:
         """The commit that first recorded step ``step`` of a session."""
-        st = self._log.refresh()
-        t = self._engine.run(
-            st, st.last_committed,
+        rows = self._lookup(
             "SELECT min(commit_id) AS c FROM nodes_history WHERE session_id = $1 AND step = $2", [session_id, step]
         )
-        c = t.column("c")[0].as_py()
+        c = rows[0]["c"]
         return int(c) if c is not None else None
 
     # ------------------------------------------------------- lookups for writes
     def _exists(self, table: str, col: str, value: str) -> bool:
-        st = self._log.refresh()
-        t = self._engine.run(st, st.last_committed, f"SELECT 1 FROM {table}_history WHERE {col} = $1 LIMIT 1", [value])
-        return bool(t.num_rows > 0)
+        return bool(self._lookup(f"SELECT 1 FROM {table}_history WHERE {col} = $1 LIMIT 1", [value]))
 
     def _missing_nodes(self, ids: list[str]) -> list[str]:
         """The ids among ``ids`` that are neither pending nor committed."""
@@ -645,19 +634,12 @@ class Database:
         todo = [i for i in ids if i not in pending and i not in self._known_nodes]
         if not todo:
             return []
-        st = self._log.refresh()
-        found = (
-            self._engine.run(
-                st,
-                st.last_committed,
-                "SELECT DISTINCT id FROM nodes_history WHERE id IN (SELECT unnest($1::VARCHAR[]))",
-                [todo],
-            )
-            .column("id")
-            .to_pylist()
-        )
+        found = {
+            r["id"]
+            for r in self._lookup("SELECT DISTINCT id FROM nodes_history WHERE id IN (SELECT unnest($1::VARCHAR[]))", [todo])
+        }
         self._known_nodes.update(found)
-        return [i for i in todo if i not in set(found)]
+        return [i for i in todo if i not in found]
 
     def _node_row(self, node_id: str) -> dict[str, Any] | None:
         """The latest row of a node (pending or committed), or None."""
@@ -691,9 +673,10 @@ class Database:
             )
             return first, {r["src"] for r in srcs}
 
-    def _lookup(self, text: str, params: list[Any]) -> list[dict[str, Any]]:
+    def _lookup(self, text: str, params: list[Any], at: int | None = None) -> list[dict[str, Any]]:
+        """Rows of an internal query as of commit ``at`` (default: the latest)."""
         st = self._log.refresh()
-        return self._engine.run(st, st.last_committed, text, params).to_pylist()  # type: ignore[no-any-return]
+        return self._engine.run(st, st.last_committed if at is None else at, text, params).to_pylist()  # type: ignore[no-any-return]
 
     def _has_artifact(self, h: str) -> bool:
         if h in self._known_hashes or h in self._pending.hashes:

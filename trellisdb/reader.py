@@ -58,12 +58,32 @@ def commits_table(state: LogState, upto: int) -> pa.Table:
     )
 
 
-def _visible(snapshot: int, aborted: list[int]) -> str:
-    """The predicate for rows visible at ``snapshot`` (ids are ints we produced)."""
-    pred = f"commit_id <= {int(snapshot)}"
+def _visible(snapshot: int, aborted: list[int], table: str = "") -> str:
+    """The predicate for rows visible at ``snapshot`` (ids are ints we produced),
+    on the columns of ``table`` (an alias) if given."""
+    col = f"{table}.commit_id" if table else "commit_id"
+    pred = f"{col} <= {int(snapshot)}"
     if aborted:
-        pred += f" AND commit_id NOT IN ({', '.join(str(int(i)) for i in aborted)})"
+        pred += f" AND {col} NOT IN ({', '.join(str(int(i)) for i in aborted)})"
     return pred
+
+
+def _superseded_since(name: str, done: int, snapshot: int, aborted: list[int]) -> str:
+    """SQL inserting into ``__sup_<name>`` the supersessions that commits in
+    ``(done, snapshot]`` made: every visible version of their keys, paired
+    with the next version (``lead``), where that next one is new."""
+    keys = ", ".join(KEYS[name])
+    on = " AND ".join(f"h.{k} = d.{k}" for k in KEYS[name])
+    return (
+        f"INSERT INTO __sup_{name} "
+        f"WITH d AS (SELECT DISTINCT {keys} FROM __lance_{name} "
+        f"WHERE commit_id > {int(done)} AND {_visible(snapshot, aborted)}), "
+        f"v AS (SELECT h.{', h.'.join(KEYS[name])}, h.commit_id FROM __lance_{name} h SEMI JOIN d ON {on} "
+        f"WHERE {_visible(snapshot, aborted, 'h')}) "
+        f"SELECT * FROM (SELECT {keys}, commit_id, "
+        f"lead(commit_id) OVER (PARTITION BY {keys} ORDER BY commit_id) AS by_commit FROM v) "
+        f"WHERE by_commit > {int(done)}"
+    )
 
 
 class SqlEngine:
@@ -104,7 +124,7 @@ class SqlEngine:
                 registered[name] = id(ds)
         self._local.registered = registered
         self._refresh_superseded(con, snapshot, aborted)
-        key = (snapshot, tuple(aborted), frozenset(getattr(self._local, "broken", set())))
+        key = (snapshot, tuple(aborted), frozenset(self._local.broken))
         if getattr(self._local, "views_key", None) != key:
             self._create_views(con, snapshot, aborted)
             self._local.views_key = key
@@ -127,44 +147,31 @@ class SqlEngine:
         """
         upto: dict[str, int] = getattr(self._local, "sup_upto", None) or {}
         self._local.sup_upto = upto
-        visible = _visible(snapshot, aborted)
+        broken: set[str] = getattr(self._local, "broken", set())
+        self._local.broken = broken
         for name in DATA_TABLES:
             done = upto.get(name)
             if done is not None and snapshot <= done:
                 continue
-            keys = ", ".join(KEYS[name])
-            on = " AND ".join(f"h.{k} = d.{k}" for k in KEYS[name])
             try:
                 if done is None:
                     con.execute(
                         f"CREATE OR REPLACE TEMP TABLE __sup_{name} AS "
-                        f"SELECT {keys}, commit_id, commit_id AS by_commit FROM __lance_{name} LIMIT 0"
+                        f"SELECT {', '.join(KEYS[name])}, commit_id, commit_id AS by_commit FROM __lance_{name} LIMIT 0"
                     )
                     done = 0
-                self._sup_insert(con, name, keys, on, int(done), visible)
+                con.execute(_superseded_since(name, done, snapshot, aborted))
             except duckdb.Error:
                 # A damaged table: leave it to the query that reads it, which
                 # reports it as corruption; other tables stay readable.
-                self._local.broken = getattr(self._local, "broken", set()) | {name}
+                broken.add(name)
                 continue
-            getattr(self._local, "broken", set()).discard(name)
+            broken.discard(name)
             upto[name] = snapshot
-
-    @staticmethod
-    def _sup_insert(con: duckdb.DuckDBPyConnection, name: str, keys: str, on: str, done: int, visible: str) -> None:
-        con.execute(
-                f"INSERT INTO __sup_{name} "
-                f"WITH d AS (SELECT DISTINCT {keys} FROM __lance_{name} WHERE commit_id > {int(done)} AND {visible}), "
-                f"v AS (SELECT h.{', h.'.join(KEYS[name])}, h.commit_id FROM __lance_{name} h SEMI JOIN d ON {on} "
-                f"WHERE h.{visible.replace(' AND ', ' AND h.')}) "
-                f"SELECT * FROM (SELECT {keys}, commit_id, "
-                f"lead(commit_id) OVER (PARTITION BY {keys} ORDER BY commit_id) AS by_commit FROM v) "
-                f"WHERE by_commit > {int(done)}"
-            )
 
     def _create_views(self, con: duckdb.DuckDBPyConnection, snapshot: int, aborted: list[int]) -> None:
         visible = _visible(snapshot, aborted)
-        broken: set[str] = getattr(self._local, "broken", set())
+        broken: set[str] = self._local.broken
         for name in DATA_TABLES:
             on = " AND ".join(f"h.{k} = s.{k}" for k in (*KEYS[name], "commit_id"))
             con.execute(f"CREATE OR REPLACE TEMP VIEW {name}_history AS SELECT * FROM __lance_{name} WHERE {visible}")

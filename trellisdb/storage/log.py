@@ -23,9 +23,11 @@ is corruption: it is reported and the database refuses writes.
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import os
 import zlib
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -75,6 +77,18 @@ class LogState:
         """
         limit = self.last_committed if below is None else below
         return sorted(i for i in self.open_ids if i <= limit)
+
+
+def last_commit_at(commits: Mapping[int, Mapping[str, Any]], ts: dt.datetime) -> int:
+    """The last commit made at or before ``ts`` (0 if none); naive times are UTC.
+
+    Times compare in whole microseconds, the precision ``log()`` and the
+    ``commits`` table show, so a time copied from them names that commit.
+    """
+    ts = ts if ts.tzinfo else ts.replace(tzinfo=dt.UTC)
+    us = (ts - dt.datetime(1970, 1, 1, tzinfo=dt.UTC)) // dt.timedelta(microseconds=1)
+    ids = [i for i, r in commits.items() if int(r["time"] * 1_000_000) <= us]
+    return max(ids) if ids else 0
 
 
 class CommitLog:

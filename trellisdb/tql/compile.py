@@ -49,8 +49,6 @@ class Compiled:
 
     sql: str
     params: dict[str, Any]
-    #: the sqlglot tree (None when the SQL came from the compile cache)
-    expression: exp.Expr | None
     #: output column -> reward channel, for columns that hold a reward
     reward_columns: dict[str, str] = field(default_factory=dict)
 
@@ -396,4 +394,4 @@ def compile_plan(plan: P.Plan) -> Compiled:
     shape = _abstract(plan, values)
     sql, slots, rewards = _compile_shape(shape)
     params = {name: values[v.k] if isinstance(v, Slot) else v for name, v in slots.items()}
-    return Compiled(sql, params, None, rewards)
+    return Compiled(sql, params, rewards)

@@ -18,6 +18,7 @@ from typing import Any
 
 from trellisdb.errors import QueryError, QueryNameError, UnknownCommitError, UnknownTagError
 from trellisdb.schema import EDGE_KINDS, table_schema
+from trellisdb.storage.log import last_commit_at
 from trellisdb.tql import ast as A
 
 #: Edge kinds a lineage walk, child count or sibling test follows unless VIA says otherwise.
@@ -299,10 +300,7 @@ class Resolver:
                     raise QueryError(f"AS OF TIMESTAMP {ts!r} is not an ISO time such as '2026-12-01T10:00:00'") from None
             if not isinstance(ts, dt.datetime):
                 raise QueryError(f"AS OF TIMESTAMP needs a time, got {ts!r}")
-            ts = ts if ts.tzinfo else ts.replace(tzinfo=dt.UTC)
-            us = (ts - dt.datetime(1970, 1, 1, tzinfo=dt.UTC)) // dt.timedelta(microseconds=1)
-            ids = [i for i, r in cat.commits.items() if int(r["time"] * 1_000_000) <= us]
-            return max(ids) if ids else 0
+            return last_commit_at(cat.commits, ts)
         step = self.count(a.value, "AS OF STEP", minimum=0)
         assert step is not None and a.session is not None
         sid = self.session(a.session).value

@@ -37,7 +37,7 @@ class QueryResult(Result):
 
     def explain(self) -> str:
         """The logical plan, the SQL and DuckDB's physical plan."""
-        return explain_text(self._db, self.plan, Compiled(self.sql or "", self.params, None), self.snapshot)
+        return explain_text(self._db, self.plan, Compiled(self.sql or "", self.params), self.snapshot)
 
     def to_networkx(self) -> nx.DiGraph:
         """The result's nodes (with their columns as attributes) and the edges between them.
@@ -143,7 +143,5 @@ def _check_seeds(db: Database, bound: Bound) -> None:
         names = [s.src, s.dst]
     for v in names:
         assert isinstance(v, A.Literal)
-        st = db._log.refresh()
-        found = db._engine.run(st, bound.snapshot, "SELECT 1 FROM nodes WHERE id = $1 LIMIT 1", [v.value])
-        if found.num_rows == 0:
+        if not db._lookup("SELECT 1 FROM nodes WHERE id = $1 LIMIT 1", [v.value], at=bound.snapshot):
             raise UnknownNodeError(f"node {v.value!r} does not exist as of commit {bound.snapshot}")
