@@ -69,7 +69,7 @@ def test_session_api_round_trips_every_table(db: trellisdb.Database) -> None:
         ids = {r["commit_id"] for r in rows(db, f"SELECT DISTINCT commit_id FROM {t}_history")}
         assert ids and ids <= log_ids, t
 
-    tasks = rows(db, "SELECT * EXCLUDE (commit_id) FROM tasks")
+    tasks = rows(db, "SELECT * EXCLUDE (commit_id) FROM tasks_full")
     assert len(tasks) == 1
     task = tasks[0]
     assert before <= task.pop("created_at") <= after  # type: ignore[operator]
@@ -84,7 +84,10 @@ def test_session_api_round_trips_every_table(db: trellisdb.Database) -> None:
                            "status": "completed"}
     assert json.loads(sessions[0]["config"]) == {"pop": 10, "islands": 2}  # type: ignore[arg-type]
 
-    nodes = {r["id"]: r for r in rows(db, "SELECT * EXCLUDE (commit_id) FROM nodes")}
+    nodes = {r["id"]: r for r in rows(db, "SELECT * EXCLUDE (commit_id) FROM nodes_full")}
+    # the narrow views hold the same rows without the bulky vector column
+    assert rows(db, "SELECT * FROM nodes ORDER BY id") == rows(db, "SELECT * EXCLUDE (embedding) FROM nodes_full ORDER BY id")
+    assert "embedding" not in db.sql("SELECT * FROM nodes_history").to_arrow().column_names
     assert set(nodes) == {"root", "a", "b", "c", gen}
     for r in nodes.values():
         assert before <= r.pop("created_at") <= after  # type: ignore[operator]
@@ -186,7 +189,7 @@ def test_status_change_after_commit_is_a_new_row(db: trellisdb.Database) -> None
     s.set_status("n", "evaluated")
     second = db.flush()
     assert first is not None and second is not None and second > first
-    hist = rows(db, "SELECT status, summary, usd, embedding, commit_id FROM nodes_history ORDER BY commit_id")
+    hist = rows(db, "SELECT status, summary, usd, embedding, commit_id FROM nodes_full_history ORDER BY commit_id")
     assert hist == [
         {"status": "pending", "summary": "x", "usd": 2.0, "embedding": [1.0, 2.0, 3.0, 4.0], "commit_id": first},
         {"status": "evaluated", "summary": "x", "usd": 2.0, "embedding": [1.0, 2.0, 3.0, 4.0], "commit_id": second},
@@ -253,19 +256,19 @@ def test_ingest_round_trips_every_table_in_one_commit(db: trellisdb.Database) ->
                        f"WHERE commit_id = {cid}")
         assert got == [{"n": t.num_rows, "lo": cid, "hi": cid}], name
 
-    assert rows(db, "SELECT id, name, spec, tags, embedding FROM tasks WHERE id = 'bulk'") == [
+    assert rows(db, "SELECT id, name, spec, tags, embedding FROM tasks_full WHERE id = 'bulk'") == [
         {"id": "bulk", "name": "bulk task", "spec": None, "tags": ["x", "y"], "embedding": [0.0, 1.0, 0.0, 0.5]}]
     assert rows(db, "SELECT id, task_id, agent, model, config, status, created_at FROM sessions WHERE id = 'sb'") == [
         {"id": "sb", "task_id": "bulk", "agent": "importer", "model": None, "config": None, "status": "completed",
          "created_at": None}]
-    got_nodes = rows(db, "SELECT * EXCLUDE (commit_id) FROM nodes WHERE session_id = 'sb' ORDER BY id")
+    got_nodes = rows(db, "SELECT * EXCLUDE (commit_id) FROM nodes_full WHERE session_id = 'sb' ORDER BY id")
     assert got_nodes == [
         {"id": ids[i], "session_id": "sb", "task_id": "bulk", "kind": "attempt", "step": i, "status": "evaluated",
          "summary": f"s{i}", "tokens_in": i, "tokens_out": None, "seconds": None, "usd": i / 4, "source": None,
          "embedding": [float(i), 0.5, -1.0, 0.25], "created_at": None}
         for i in range(n)
     ]
-    assert db.sql("SELECT embedding FROM nodes").to_arrow().schema.field("embedding").type == pa.list_(pa.float32(), 4)
+    assert db.sql("SELECT embedding FROM nodes_full").to_arrow().schema.field("embedding").type == pa.list_(pa.float32(), 4)
     assert rows(db, "SELECT src, dst, kind FROM edges WHERE dst IN ('n00', 'n05') ORDER BY src") == [
         {"src": "n00", "dst": "n05", "kind": "crossover_of"},
         {"src": "n04", "dst": "n05", "kind": "derived_from"},
@@ -309,7 +312,7 @@ def test_reopen_keeps_everything(db: trellisdb.Database, tmp_path: Path) -> None
         counts = {t: rows(again, f"SELECT count(*) AS n FROM {t}")[0]["n"] for t in TABLES}
         assert counts == {"tasks": 1, "sessions": 1, "nodes": 5, "edges": 7, "artifacts": 3, "node_artifacts": 4,
                           "rewards": 3, "comparisons": 2}
-        assert rows(again, "SELECT embedding FROM nodes WHERE id = 'root'") == [{"embedding": [0.5, -0.25, 0.125, 4.0]}]
+        assert rows(again, "SELECT embedding FROM nodes_full WHERE id = 'root'") == [{"embedding": [0.5, -0.25, 0.125, 4.0]}]
         # writing continues on the reopened database, against nodes committed before
         w = again.resume("s1")
         d = w.add_node(parents=["c"], summary="after reopen")

@@ -33,13 +33,13 @@ def test_every_table_round_trips(db: trellisdb.Database, tmp_path: Path) -> None
         s.add_comparison(b, c, None, id="cmp2")
         s.set_status(a, "expanded")
 
-    assert db.sql("SELECT id, name, spec, tags, embedding FROM tasks").to_pylist() == [
+    assert db.sql("SELECT id, name, spec, tags, embedding FROM tasks_full").to_pylist() == [
         {"id": "pack", "name": "pack circles", "spec": "maximize radii", "tags": ["geometry"],
          "embedding": [1.0, 0.0, 0.0, 0.0]}]
     sess = db.sql("SELECT id, task_id, agent, model, config, status FROM sessions").to_pylist()
     assert sess == [{"id": "s1", "task_id": "pack", "agent": "evolve", "model": "m1",
                      "config": json.dumps({"pop": 10}), "status": "completed"}]
-    nodes = {r["id"]: r for r in db.sql("SELECT * FROM nodes").to_pylist()}
+    nodes = {r["id"]: r for r in db.sql("SELECT * FROM nodes_full").to_pylist()}
     assert set(nodes) == {"a", "b", "c"}
     ra = nodes["a"]
     assert (ra["session_id"], ra["task_id"], ra["kind"], ra["step"], ra["status"], ra["summary"]) == (

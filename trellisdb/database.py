@@ -564,7 +564,9 @@ class Database:
         Tables: ``tasks``, ``sessions``, ``nodes``, ``edges``, ``artifacts``,
         ``node_artifacts``, ``rewards``, ``comparisons`` (current state: latest
         row per key), each also as ``<name>_history`` (all rows), and
-        ``commits``. Values go in ``params`` (``$1`` or ``$name``), never
+        ``commits``. ``nodes`` and ``tasks`` leave out the bulky ``embedding``
+        column (they are served from an in-memory mirror); ``nodes_full``,
+        ``tasks_full`` and their ``_history`` views have it. Values go in ``params`` (``$1`` or ``$name``), never
         into the text.
         """
         snap = self.resolve_as_of(as_of)
@@ -648,7 +650,7 @@ class Database:
                 if b is not None and node_id in b.nodes:
                     return b.nodes[node_id]
             rows = self._lookup(
-                "SELECT * EXCLUDE (commit_id) FROM nodes_history WHERE id = $1 ORDER BY commit_id DESC LIMIT 1",
+                "SELECT * EXCLUDE (commit_id) FROM nodes_full_history WHERE id = $1 ORDER BY commit_id DESC LIMIT 1",
                 [node_id],
             )
             return rows[0] if rows else None
@@ -662,7 +664,7 @@ class Database:
                     parents = {e["src"] for e in b.rows["edges"] if e["dst"] == node_id and e["kind"] == edge_kind}
                     return b.nodes[node_id], parents
             rows = self._lookup(
-                "SELECT * FROM nodes_history WHERE id = $1 ORDER BY commit_id LIMIT 1", [node_id]
+                "SELECT * FROM nodes_full_history WHERE id = $1 ORDER BY commit_id LIMIT 1", [node_id]
             )
             if not rows:
                 return None

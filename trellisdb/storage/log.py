@@ -26,6 +26,7 @@ from __future__ import annotations
 import datetime as dt
 import json
 import os
+import threading
 import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -76,7 +77,7 @@ class LogState:
         belong to a writer still in flight).
         """
         limit = self.last_committed if below is None else below
-        return sorted(i for i in self.open_ids if i <= limit)
+        return sorted(i for i in list(self.open_ids) if i <= limit)  # list(): atomic under a concurrent refresh
 
 
 def last_commit_at(commits: Mapping[int, Mapping[str, Any]], ts: dt.datetime) -> int:
@@ -87,7 +88,7 @@ def last_commit_at(commits: Mapping[int, Mapping[str, Any]], ts: dt.datetime) ->
     """
     ts = ts if ts.tzinfo else ts.replace(tzinfo=dt.UTC)
     us = (ts - dt.datetime(1970, 1, 1, tzinfo=dt.UTC)) // dt.timedelta(microseconds=1)
-    ids = [i for i, r in commits.items() if int(r["time"] * 1_000_000) <= us]
+    ids = [i for i, r in list(commits.items()) if int(r["time"] * 1_000_000) <= us]
     return max(ids) if ids else 0
 
 
@@ -99,6 +100,9 @@ class CommitLog:
         self._state = LogState()
         self._offset = 0
         self._lineno = 0
+        # Threads of one process share the state; two refreshing at once
+        # would both apply the same bytes and move the offset twice.
+        self._refreshing = threading.Lock()
 
     @property
     def state(self) -> LogState:
@@ -106,6 +110,10 @@ class CommitLog:
 
     def refresh(self) -> LogState:
         """Read records appended since the last call; return the state."""
+        with self._refreshing:
+            return self._refresh()
+
+    def _refresh(self) -> LogState:
         try:
             with open(self.path, "rb") as fh:
                 fh.seek(self._offset)

@@ -180,8 +180,7 @@ class Compiler:
         return name
 
     def op_Scan(self, p: P.Scan) -> str:
-        star = "* EXCLUDE (embedding)" if p.entity in ("nodes", "tasks") else "*"
-        sel = _template(f"SELECT {star} FROM {p.entity}")
+        sel = _template(f"SELECT * FROM {p.entity}")
         if p.scope is not None:
             v = self.value(p.scope.value.value)  # type: ignore[union-attr]
             col = "session_id" if p.scope.kind == "session" else "task_id"
@@ -243,7 +242,7 @@ class Compiler:
             rel = self.compile(p.input)
             extra = "shared_parent" if isinstance(p.input, P.SiblingsOf) else "hop"
             sel = _template(
-                f"SELECT b.*, r.{extra} FROM {rel} AS r JOIN (SELECT * EXCLUDE (embedding) FROM nodes) AS b ON b.id = r.id"
+                f"SELECT b.*, r.{extra} FROM {rel} AS r JOIN nodes AS b ON b.id = r.id"
             )
             entity_cols = ENTITY_COLUMNS["nodes"] + [extra]
             ids = f" AND {{col}} IN (SELECT id FROM {rel})"  # only the nodes the walk reached
