@@ -170,6 +170,14 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     db, pq_paths, first_commit = build_store(work, g, args.chunk)
     res: dict[str, Any] = {"nodes": g.n_nodes, "sessions": sessions, "build_seconds": time.perf_counter() - t0}
+    # a fresh handle: its first query copies the narrow columns into the reader's mirror
+    db.close()
+    db = trellisdb.connect(os.path.join(work, "q.db"))
+    t0 = time.perf_counter()
+    db.query(TQL["frontier"])
+    cold_ms = (time.perf_counter() - t0) * 1e3
+    mem = db._engine._db.execute("SELECT sum(memory_usage_bytes) FROM duckdb_memory()").fetchone()
+    mirror_mb = (mem[0] if mem and mem[0] else 0) / 2**20
     con, hand = hand_sql(pq_paths)
     # a deep node (the last node of the first session) for lineage; the first session for scoped queries
     sess = db.sql("SELECT id FROM sessions ORDER BY id LIMIT 1").to_pylist()[0]["id"]
@@ -223,6 +231,9 @@ def main(argv: list[str] | None = None) -> int:
     worst = max(per.values())
     rows.append({"measure": "parse+resolve+compile ms (worst query)", "mine": {"p50_ms": worst, "p95_ms": worst},
                  "base": {"p50_ms": 2.0, "p95_ms": 2.0}, "ratio": worst / 2.0, "target": "<= 1 (2 ms)"})
+    rows.append({"measure": "first query after open (builds the mirror) vs warm", "mine": {"p50_ms": cold_ms, "p95_ms": cold_ms},
+                 "base": fr["mine"], "ratio": cold_ms / fr["mine"]["p50_ms"], "target": "(reported)"})
+    res["mirror_mb"] = mirror_mb
     res["rows"] = rows
     res["compile_ms"] = per
     with open(args.out, "w") as fh:
@@ -234,6 +245,7 @@ def main(argv: list[str] | None = None) -> int:
         m, b = r["mine"], r["base"]
         print(f"{r['measure']:62} {m['p50_ms']:7.1f}/{m['p95_ms']:<7.1f} {b['p50_ms']:7.1f}/{b['p95_ms']:<7.1f} "
               f"{r['ratio']:6.2f}  {r['target']}")
+    print(f"reader mirror in DuckDB memory: {mirror_mb:.0f} MiB ({mirror_mb * 2**20 / g.n_nodes:.0f} B per node)")
     print(f"wrote {args.out}")
     db.close()
     shutil.rmtree(work, ignore_errors=True)

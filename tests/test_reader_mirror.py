@@ -26,6 +26,7 @@ def _both(db: trellisdb.Database, name: str, view: str, at: int) -> tuple[list[d
 
 def test_mirror_equals_lance_at_every_commit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     db = trellisdb.connect(tmp_path / "db", embedding_dim=4)
+    plain = trellisdb.connect(tmp_path / "db", mirror=False)  # every view over Lance scans
     w = db.session(id="s", task="t")
     w.add_node(id="a", summary="root", embedding=[1, 0, 0, 0])
     db.flush()
@@ -60,7 +61,11 @@ def test_mirror_equals_lance_at_every_commit(tmp_path: Path, monkeypatch: pytest
             for view in (name, f"{name}_history"):
                 mirror, lance = _both(db, name, view, at)
                 assert mirror == lance, (at, view)
+                assert plain.sql(f"SELECT * FROM {view} ORDER BY ALL", as_of=at).to_pylist() == mirror, (at, view)
     assert [r["value"] for r in db.sql("SELECT value FROM rewards").to_pylist()] == [0.75]
+    frontier = "FRONTIER RANK BY reward('score') DESC RETURN id, reward('score') AS s"
+    assert db.query(frontier).to_pylist() == plain.query(frontier).to_pylist() == [{"id": "b", "s": 0.75}]
+    plain.close()
     db.close()
 
 

@@ -124,7 +124,8 @@ def _run(args: argparse.Namespace, path: str) -> int:
 
         run_demo(path, sessions=args.sessions, steps=args.steps)
         return 0
-    db = connect(path, create=False)
+    # one question per process: scanning Lance beats building the reader's mirror first
+    db = connect(path, create=False, mirror=False)
     if args.command == "log":
         t = pa.Table.from_pylist(db.log()) if db.log() else pa.table({"id": pa.array([], pa.int64())})
         print(format_table(t, "table"))

@@ -81,6 +81,7 @@ def connect(
     auto_compact: bool = True,
     compact_fragments: int = 8,
     create: bool = True,
+    mirror: bool = True,
 ) -> Database:
     """Open the database in folder ``path``, creating it if needed.
 
@@ -91,6 +92,13 @@ def connect(
     fragments of one size tier pile up in a table they are merged (see
     ``ARCHITECTURE.md``), and old physical versions are cleaned up now and
     then on a background thread.
+
+    With ``mirror`` (the default) queries read an in-memory DuckDB copy of
+    every table's narrow columns (all but embeddings and artifact bytes),
+    built on the first query (~0.6 s per 100k nodes) and extended per
+    commit; it costs about 1 KB of memory per node and makes queries 2-4x
+    faster. ``mirror=False`` scans Lance on every query instead: the better
+    trade for a short-lived process that asks one question.
     """
     return Database(
         os.fspath(path),
@@ -100,6 +108,7 @@ def connect(
         auto_compact=auto_compact,
         compact_fragments=compact_fragments,
         create=create,
+        mirror=mirror,
     )
 
 
@@ -140,6 +149,7 @@ class Database:
         auto_compact: bool,
         compact_fragments: int,
         create: bool,
+        mirror: bool = True,
     ) -> None:
         self.path = path
         self.commit_delay = commit_delay
@@ -188,7 +198,7 @@ class Database:
         self._log = commit_log.CommitLog(os.path.join(path, "commits.log"))
         self._log.refresh()
         self._tables = LanceTables(os.path.join(path, "tables"))
-        self._engine = SqlEngine(self._tables)
+        self._engine = SqlEngine(self._tables, mirror=mirror)
         self._writer_name = f"{socket.gethostname()}:{os.getpid()}"
         self._state_lock = threading.RLock()
         self._pending = Batch()

@@ -82,5 +82,9 @@ class QuerySyntaxError(QueryError):
         self.column = column
 
 
+class QueryTypeError(QueryError):
+    """A TQL expression whose operands do not fit (text compared with a number, a WHERE that is no condition)."""
+
+
 class QueryNameError(QueryError):
     """A TQL query naming an unknown column, function, channel, session, task, tag or parameter."""

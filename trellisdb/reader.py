@@ -84,13 +84,17 @@ def _superseded_since(name: str, source: str, done: int, snapshot: int, aborted:
     """SQL inserting into ``__sup_<name>`` the supersessions that commits in
     ``(done, snapshot]`` made: every visible version of their keys (read
     from ``source``), paired with the next version (``lead``), where that
-    next one is new."""
+    next one is new. On the first build (``done == 0``) only keys written
+    more than once can have been superseded."""
     keys = ", ".join(KEYS[name])
     on = " AND ".join(f"h.{k} = d.{k}" for k in KEYS[name])
+    if done:
+        changed = f"SELECT DISTINCT {keys} FROM {source} WHERE commit_id > {int(done)} AND {_visible(snapshot, aborted)}"
+    else:
+        changed = f"SELECT {keys} FROM {source} WHERE {_visible(snapshot, aborted)} GROUP BY ALL HAVING count(*) > 1"
     return (
         f"INSERT INTO __sup_{name} "
-        f"WITH d AS (SELECT DISTINCT {keys} FROM {source} "
-        f"WHERE commit_id > {int(done)} AND {_visible(snapshot, aborted)}), "
+        f"WITH d AS ({changed}), "
         f"v AS (SELECT h.{', h.'.join(KEYS[name])}, h.commit_id FROM {source} h SEMI JOIN d ON {on} "
         f"WHERE {_visible(snapshot, aborted, 'h')}) "
         f"SELECT * FROM (SELECT {keys}, commit_id, "
@@ -111,10 +115,16 @@ class SqlEngine:
     faster than it scans Lance through the Arrow stream. The bulky columns
     are read from Lance, through the ``T_full`` views. Ids at or below a
     snapshot are final (committed or aborted), so mirrored rows never change.
+
+    ``mirror=False`` serves every view from Lance scans instead: no memory
+    and no copy on the first query (the right trade for a one-shot process
+    such as the CLI), slower queries.
     """
 
-    def __init__(self, tables: LanceTables) -> None:
+    def __init__(self, tables: LanceTables, mirror: bool = True) -> None:
         self._tables = tables
+        #: tables served from the mirror (none when ``mirror`` is off: every query scans Lance)
+        self.mirrored = frozenset(t for t in DATA_TABLES if t != "artifacts") if mirror else frozenset()
         self._local = threading.local()
         self._db = duckdb.connect(config=DUCKDB_CONFIG)
         self._lock = threading.Lock()  # guards the shared tables and the bookkeeping below
@@ -184,7 +194,7 @@ class SqlEngine:
             if done is not None and snapshot <= done:
                 continue
             keys = ", ".join(KEYS[name])
-            mirrored = name != "artifacts"
+            mirrored = name in self.mirrored
             try:
                 con.execute("BEGIN")
                 if done is None:
@@ -218,16 +228,18 @@ class SqlEngine:
         visible = _visible(snapshot, aborted)
         for name in DATA_TABLES:
             on = " AND ".join(f"h.{k} = s.{k}" for k in (*KEYS[name], "commit_id"))
-            lance = f"SELECT * FROM __lance_{name} WHERE {visible}"
+            full = f"SELECT * FROM __lance_{name} WHERE {visible}"
+            if name in self.mirrored and name not in broken:
+                narrow = f"SELECT * FROM __mir_{name} WHERE commit_id <= {int(snapshot)}"
+            else:
+                narrow = _narrow(name) + f" WHERE {visible}"
+            history = {name: narrow, f"{name}_full": full} if name in WIDE else {name: narrow}
             if name in broken:  # unreadable now: plain definitions that fail (clearly) only when used
                 window = f"QUALIFY row_number() OVER (PARTITION BY {', '.join(KEYS[name])} ORDER BY commit_id DESC) = 1"
-                for view in (name, f"{name}_full") if name in WIDE else (name,):
-                    con.execute(f"CREATE OR REPLACE TEMP VIEW {view}_history AS {lance}")
+                for view, rows in history.items():
+                    con.execute(f"CREATE OR REPLACE TEMP VIEW {view}_history AS {rows}")
                     con.execute(f"CREATE OR REPLACE TEMP VIEW {view} AS SELECT * FROM {view}_history {window}")
                 continue
-            history = {name: lance if name == "artifacts" else f"SELECT * FROM __mir_{name} WHERE commit_id <= {int(snapshot)}"}
-            if name in WIDE:
-                history[f"{name}_full"] = lance
             sup = f"(SELECT * FROM __sup_{name} WHERE by_commit <= {int(snapshot)})"
             row = con.execute(f"SELECT count(*) FROM {sup}").fetchone()
             for view, rows in history.items():

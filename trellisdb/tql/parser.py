@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 import os
 import re
+from collections.abc import Iterable
 from importlib import resources
 
 import lark
@@ -85,19 +86,29 @@ _NAMES = {
     "MUL_OP": "* / or %",
     "MINUS": "'-'",
     "AS_OF": "AS OF",
+    "$END": "the end of the query",
 }
 
 _EXPR_START = {"STRING", "NUMBER", "PARAM", "NAME", "LPAR", "MINUS", "NOT", "TRUE", "FALSE", "NULL"}
 
 
+_OPERATORS = {"COMP_OP": "= < > ...", "ADD_OP": "+ -", "MUL_OP": "* / %", "AND": "AND", "OR": "OR",
+              "NOT": "NOT", "IN": "IN", "IS": "IS", "BETWEEN": "BETWEEN"}
+
+
 def _expected(terms: set[str]) -> str:
+    terms = {t for t in terms if not t.startswith("__")}
+    names: list[str] = []
     if terms >= _EXPR_START or {"NAME", "NUMBER", "STRING"} <= terms:
-        rest = sorted(t for t in terms if t not in _EXPR_START)
-        names = ["an expression"] + [_NAMES.get(t, t) for t in rest if not t.startswith("__")]
-    else:
-        names = sorted(_NAMES.get(t, t) for t in terms if not t.startswith("__"))
-    if len(names) > 8:
-        names = [*names[:8], "..."]
+        names.append("an expression")
+        terms -= _EXPR_START
+    ops = [label for t, label in _OPERATORS.items() if t in terms]
+    if len(ops) >= 3:  # after an operand: one entry for the operators, not nine
+        names.append(f"an operator ({', '.join(ops)})")
+        terms -= set(_OPERATORS)
+    names += sorted(_NAMES.get(t, t) for t in terms)
+    if len(names) > 10:
+        names = [*names[:10], "..."]
     return ", ".join(names) if names else "nothing more"
 
 
@@ -151,23 +162,41 @@ def _parse(text: str) -> Query:
     return q
 
 
+def _accepts(text: str, pos: int, fallback: Iterable[str]) -> set[str]:
+    """The terminals that can really follow ``text[:pos]``.
+
+    The sets lark puts on its exceptions are too broad: the contextual
+    lexer's allowed set is the whole LALR state's, ')' and ',' included where
+    no parenthesis is open. Re-parsing the prefix interactively and asking
+    which terminals the parser accepts (after any reductions) is exact; it
+    runs only on the error path."""
+    try:
+        ip = parser().parse_interactive(text[:pos])
+        ip.exhaust_lexer()
+        got = set(ip.accepts())  # type: ignore[no-untyped-call]
+    except (UnexpectedInput, RecursionError):
+        got = set()
+    return got or set(fallback)
+
+
 def _syntax_error(text: str, e: UnexpectedInput) -> QuerySyntaxError:
     if isinstance(e, UnexpectedEOF):
         pos = len(text.rstrip())
-        what = f"the query ends too early; expected {_expected(set(e.expected))}"
+        what = f"the query ends too early; expected {_expected(_accepts(text, len(text), e.expected))}"
     elif isinstance(e, UnexpectedToken):
         pos = int(e.token.start_pos) if e.token.start_pos is not None else len(text)
         if e.token.type == "$END":
             pos = len(text.rstrip())
-            what = f"the query ends too early; expected {_expected(set(e.expected))}"
+            what = f"the query ends too early; expected {_expected(_accepts(text, len(text), e.expected))}"
         else:
-            what = f"unexpected {str(e.token)!r}; expected {_expected(set(e.expected))}"
+            what = f"unexpected {str(e.token)!r}; expected {_expected(_accepts(text, pos, e.expected))}"
     elif isinstance(e, UnexpectedCharacters):
         pos = int(e.pos_in_stream or 0)
         ch = text[pos] if pos < len(text) else ""
         what = f"unexpected character {ch!r}"
-        if e.allowed:
-            what += f"; expected {_expected(set(e.allowed))}"
+        allowed = _accepts(text, pos, e.allowed or ())
+        if allowed:
+            what += f"; expected {_expected(allowed)}"
     else:  # pragma: no cover - lark has no other kind
         pos, what = 0, str(e)
     line, col = _position(text, pos)
@@ -185,9 +214,12 @@ def _hint(text: str, e: UnexpectedInput) -> str | None:
     """The hint whose example fails the same way: same error kind, parser
     state and offending token kind (lark's ``match_examples``, stricter)."""
     if isinstance(e, UnexpectedToken) and e.token.type in _CLAUSES and "$END" in e.expected:
-        before = text[: e.token.start_pos or 0]
-        if re.search(r"\bas\s+of\b", before, re.IGNORECASE):
-            return f"AS OF comes last: put {e.token.type} ... before AS OF"
+        at = e.token.start_pos or 0
+        found = list(re.finditer(r"\bas\s+of\b", text[:at], re.IGNORECASE))
+        if found:
+            m = found[-1]  # the last AS OF before the clause
+            fixed = f"{text[: m.start()].rstrip()} {text[at:].strip()} {text[m.start() : at].strip()}"
+            return f"AS OF comes last: put {e.token.type} ... before AS OF, as in: {fixed}"
     for label, examples in _HINTS.items():
         for ex in examples:
             try:

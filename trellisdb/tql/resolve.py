@@ -20,6 +20,7 @@ from trellisdb.errors import QueryError, QueryNameError, UnknownCommitError, Unk
 from trellisdb.schema import EDGE_KINDS, table_schema
 from trellisdb.storage.log import last_commit_at
 from trellisdb.tql import ast as A
+from trellisdb.tql.types import arrow_type, check, check_condition
 
 #: Edge kinds a lineage walk, child count or sibling test follows unless VIA says otherwise.
 LINEAGE_KINDS = ("derived_from", "repair_of", "crossover_of")
@@ -55,6 +56,13 @@ def _columns(entity: str) -> list[str]:
 
 
 ENTITY_COLUMNS: dict[str, list[str]] = {e: _columns(e) for e in ("nodes", "sessions", "tasks", "rewards")}
+
+#: The type (see ``types.py``) of every name an expression can use, per entity.
+_DERIVED_TYPES = {"children": "number", "visits": "number", "depth": "number", "age": "number", "parent": "text",
+                  "has_children": "bool", "hop": "number", "shared_parent": "text"}
+COLUMN_TYPES: dict[str, dict[str, str]] = {
+    e: {f.name: arrow_type(f.type) for f in table_schema(e, 1)} | _DERIVED_TYPES for e in ENTITY_COLUMNS
+}
 
 
 def did_you_mean(name: str, options: Iterable[str]) -> str:
@@ -259,13 +267,25 @@ class Resolver:
         return A.Call(c.name, tuple(self.expr(a, ranking=False) for a in c.args), c.span)
 
     def order(self, items: tuple[A.OrderItem, ...]) -> tuple[A.OrderItem, ...]:
-        return tuple(A.OrderItem(self.expr(i.expr, ranking=True), i.descending) for i in items)
+        out = tuple(A.OrderItem(self.expr(i.expr, ranking=True), i.descending) for i in items)
+        for i in out:
+            check(i.expr, COLUMN_TYPES[self.entity].get)
+        return out
+
+    def condition(self, e: A.Expr | None, clause: str) -> A.Expr | None:
+        """Resolve ``e`` and check that it is a condition (for WHERE, EXPANDED WHEN)."""
+        if e is None:
+            return None
+        out = self.expr(e)
+        check_condition(out, COLUMN_TYPES[self.entity].get, clause)
+        return out
 
     def returning(self, items: tuple[A.Proj, ...]) -> tuple[A.Proj, ...]:
         seen: set[str] = set()
         out = []
         for p in items:
             e = self.expr(p.expr)
+            check(e, COLUMN_TYPES[self.entity].get)
             name = p.alias or _default_name(e)
             if name in seen:
                 raise QueryError(f"two RETURN columns are named {name!r}; give one an alias with AS")
@@ -332,7 +352,7 @@ def resolve(q: A.Query, catalog: Catalog, params: Mapping[str, Any] | None = Non
         stmt = replace(
             s,
             scope=r.scope(s.scope),
-            where=r.expr(s.where) if s.where is not None else None,
+            where=r.condition(s.where, "WHERE"),
             order=r.order(s.order),
             limit=_lit(r.count(s.limit, "LIMIT")),
             returning=r.returning(s.returning),
@@ -343,8 +363,8 @@ def resolve(q: A.Query, catalog: Catalog, params: Mapping[str, Any] | None = Non
         stmt = replace(
             s,
             scope=r.scope(s.scope),
-            where=r.expr(s.where) if s.where is not None else None,
-            expanded=r.expr(s.expanded) if s.expanded is not None else None,
+            where=r.condition(s.where, "WHERE"),
+            expanded=r.condition(s.expanded, "EXPANDED WHEN"),
             rank=r.order(s.rank),
             diversity=A.Diversity(s.diversity.per, A.Literal(r.count(s.diversity.k, "PER ... k", minimum=1)))
             if s.diversity is not None
@@ -362,7 +382,7 @@ def resolve(q: A.Query, catalog: Catalog, params: Mapping[str, Any] | None = Non
             node=node,
             depth=_lit(r.count(s.depth, "the number of hops", minimum=0, maximum=MAX_HOPS)),
             via=r.via(s.via),
-            where=r.expr(s.where) if s.where is not None else None,
+            where=r.condition(s.where, "WHERE"),
             returning=r.returning(s.returning),
         )
     elif isinstance(s, A.Siblings):
@@ -371,7 +391,7 @@ def resolve(q: A.Query, catalog: Catalog, params: Mapping[str, Any] | None = Non
             s,
             node=A.Literal(r.text(s.node, "a node id"), s.node.span),
             via=r.via(s.via),
-            where=r.expr(s.where) if s.where is not None else None,
+            where=r.condition(s.where, "WHERE"),
             returning=r.returning(s.returning),
         )
     else:
