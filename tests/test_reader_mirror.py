@@ -9,15 +9,16 @@ from typing import Any
 import pytest
 
 import trellisdb
+from trellisdb.reader import WIDE
 from trellisdb.schema import DATA_TABLES
 
 
 def _both(db: trellisdb.Database, name: str, view: str, at: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """Rows of ``view`` (over the mirror) and of the same rows read from Lance, as of ``at``."""
-    wide = name in ("nodes", "tasks")
+    wide = WIDE.get(name)
     suffix = view[len(name):]
     lance_view = f"{name}_full{suffix}" if wide else view
-    cols = "* EXCLUDE (embedding)" if wide else "*"
+    cols = f"* EXCLUDE ({', '.join(wide)})" if wide else "*"
     order = "ORDER BY ALL"
     mirror = db.sql(f"SELECT * FROM {view} {order}", as_of=at).to_pylist()
     lance = db.sql(f"SELECT {cols} FROM {lance_view} {order}", as_of=at).to_pylist()
@@ -31,7 +32,7 @@ def test_mirror_equals_lance_at_every_commit(tmp_path: Path, monkeypatch: pytest
     w.add_node(id="a", summary="root", embedding=[1, 0, 0, 0])
     db.flush()
     db.query("NODES")  # the mirror is built at this commit; what follows extends it
-    w.add_node(id="b", parents=["a"], summary="kid")
+    w.add_node(id="b", parents=["a"], summary="kid", artifacts={"code": "x = 1"})
     w.add_reward("b", "score", 0.5)
     db.flush()
     # a commit that fails after writing part of its rows: its id stays open (aborted)
@@ -56,8 +57,6 @@ def test_mirror_equals_lance_at_every_commit(tmp_path: Path, monkeypatch: pytest
     assert db.sql("SELECT count(*) AS n FROM nodes WHERE id = 'ghost'").to_pylist() == [{"n": 0}]
     for at in commits:
         for name in DATA_TABLES:
-            if name == "artifacts":
-                continue
             for view in (name, f"{name}_history"):
                 mirror, lance = _both(db, name, view, at)
                 assert mirror == lance, (at, view)
@@ -99,4 +98,39 @@ def test_threads_share_one_mirror_and_each_sees_a_consistent_snapshot(tmp_path: 
     assert not errors, errors[0]
     assert db.sql("SELECT count(*) AS n FROM nodes").to_pylist() == [{"n": 30}]
     assert db.query("NODES ORDER BY reward('score') DESC LIMIT 1 RETURN id").to_pylist() == [{"id": "n29"}]
+    db.close()
+
+
+def test_rows_a_reader_saw_in_flight_are_mirrored_once_committed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A reader refreshing while a commit is half-written sees Lance fragments
+    holding rows of a commit above its snapshot; it must neither show them
+    nor skip those fragments after the commit lands."""
+    db = trellisdb.connect(tmp_path / "db", embedding_dim=4)
+    reader = trellisdb.connect(tmp_path / "db")
+    w = db.session(id="s", task="t")
+    w.add_node(id="a")
+    db.flush()
+    assert reader.sql("SELECT count(*) AS n FROM nodes").to_pylist() == [{"n": 1}]
+    w.add_node(id="a2")  # a commit the reader has not mirrored yet: its next query refreshes
+    db.flush()
+    real_append = db._tables.append
+    seen: list[Any] = []
+
+    def append_then_read(name: str, data: Any) -> None:
+        real_append(name, data)
+        if name == "nodes":  # rows on disk, commit record not yet written
+            seen.append(reader.sql("SELECT id FROM nodes ORDER BY id").to_pylist())
+
+    monkeypatch.setattr(db._tables, "append", append_then_read)
+    w.add_node(id="b", parents=["a"])
+    w.add_reward("b", "score", 1.0)
+    db.flush()
+    monkeypatch.setattr(db._tables, "append", real_append)
+    assert seen == [[{"id": "a"}, {"id": "a2"}]]
+    assert reader.sql("SELECT id FROM nodes ORDER BY id").to_pylist() == [{"id": "a"}, {"id": "a2"}, {"id": "b"}]
+    assert reader.sql("SELECT node_id, value FROM rewards").to_pylist() == [{"node_id": "b", "value": 1.0}]
+    w.add_node(id="c", parents=["b"])
+    db.flush()
+    assert reader.query("LINEAGE OF 'c' ANCESTORS RETURN id").to_pylist() == [{"id": "c"}, {"id": "b"}, {"id": "a"}]
+    reader.close()
     db.close()

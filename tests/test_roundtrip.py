@@ -123,7 +123,7 @@ def test_session_api_round_trips_every_table(db: trellisdb.Database) -> None:
     code = b"def pack(): ..."
     assert info["blob"] == sha(b"\x00\x01\xffbinary log")
     assert info["prompt"] == sha(b"improve it")
-    artifacts = rows(db, "SELECT hash, media_type, size, content FROM artifacts ORDER BY hash")
+    artifacts = rows(db, "SELECT hash, media_type, size, content FROM artifacts_full ORDER BY hash")
     assert artifacts == sorted([
         {"hash": sha(code), "media_type": "text/plain", "size": len(code), "content": code},
         {"hash": sha(b"\x00\x01\xffbinary log"), "media_type": "application/octet-stream", "size": 13,
@@ -171,7 +171,7 @@ def test_same_artifact_across_commits_and_reopen_is_stored_once(db: trellisdb.Da
         w.add_node(id="n3", artifacts={"main": "print(1)"})  # the same bytes, given as text
         again.flush()
         h = sha(b"print(1)")
-        assert rows(again, "SELECT hash, size, content FROM artifacts_history") == [
+        assert rows(again, "SELECT hash, size, content FROM artifacts_full_history") == [
             {"hash": h, "size": 8, "content": b"print(1)"}]
         assert rows(again, "SELECT node_id, name, hash FROM node_artifacts ORDER BY node_id") == [
             {"node_id": "n1", "name": "code", "hash": h},
@@ -275,7 +275,7 @@ def test_ingest_round_trips_every_table_in_one_commit(db: trellisdb.Database) ->
         {"src": "old", "dst": "n00", "kind": "derived_from"},
     ]
     assert rows(db, "SELECT count(*) AS n FROM edges") == [{"n": n + 1}]
-    assert rows(db, "SELECT hash, media_type, size, content FROM artifacts") == [
+    assert rows(db, "SELECT hash, media_type, size, content FROM artifacts_full") == [
         {"hash": sha(blob), "media_type": "application/x-bin", "size": len(blob), "content": blob}]
     assert rows(db, "SELECT node_id FROM node_artifacts ORDER BY node_id") == [{"node_id": "n00"}, {"node_id": "old"}]
     assert rows(db, "SELECT sum(value) AS s, count(*) AS n, min(verifier) AS v FROM rewards") == [

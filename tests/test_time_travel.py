@@ -22,7 +22,7 @@ def state(db: trellisdb.Database, as_of: Any) -> dict[str, Any]:
         "nodes": q("SELECT id, status, summary FROM nodes ORDER BY id"),
         "rewards": q("SELECT node_id, channel, value FROM rewards ORDER BY node_id, channel"),
         "edges": q("SELECT src, dst, kind FROM edges ORDER BY src, dst"),
-        "artifacts": q("SELECT node_id, name, content FROM node_artifacts JOIN artifacts USING (hash) ORDER BY 1"),
+        "artifacts": q("SELECT node_id, name, content FROM node_artifacts JOIN artifacts_full USING (hash) ORDER BY 1"),
         "comparisons": q("SELECT id, preferred FROM comparisons ORDER BY id"),
         "sessions": q("SELECT id, status FROM sessions ORDER BY id"),
         "commits": [r["id"] for r in q("SELECT id FROM commits ORDER BY id")],

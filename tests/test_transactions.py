@@ -110,7 +110,7 @@ def test_exception_discards_everything(db: trellisdb.Database, seeded: trellisdb
     # discarded content is really absent: written again, it is stored
     s.add_node(id="n1b", artifacts={"code": "discarded bytes"})
     db.flush()
-    assert db.sql("SELECT content FROM artifacts").to_pylist() == [{"content": b"discarded bytes"}]
+    assert db.sql("SELECT content FROM artifacts_full").to_pylist() == [{"content": b"discarded bytes"}]
 
 
 def test_validation_error_inside_transaction_discards_block(

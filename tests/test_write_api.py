@@ -62,7 +62,7 @@ def test_every_table_round_trips(db: trellisdb.Database, tmp_path: Path) -> None
         {"src": "b", "dst": "c", "kind": "crossover_of"},
         {"src": "b", "dst": "c", "kind": "inspired_by"},
     ]
-    arts = db.sql("SELECT hash, media_type, size, content FROM artifacts ORDER BY size").to_pylist()
+    arts = db.sql("SELECT hash, media_type, size, content FROM artifacts_full ORDER BY size").to_pylist()
     assert len(arts) == 2  # 'x = 1' stored once although linked from two nodes
     assert arts[1]["content"] == b"\x00\x01binary" and arts[1]["hash"] == h
     assert arts[0]["content"] == b"x = 1" and arts[0]["media_type"] == "text/plain"

@@ -198,7 +198,7 @@ class Database:
         self._log = commit_log.CommitLog(os.path.join(path, "commits.log"))
         self._log.refresh()
         self._tables = LanceTables(os.path.join(path, "tables"))
-        self._engine = SqlEngine(self._tables, mirror=mirror)
+        self._engine = SqlEngine(self._tables, lambda: self._log.refresh().max_id, mirror=mirror)
         self._writer_name = f"{socket.gethostname()}:{os.getpid()}"
         self._state_lock = threading.RLock()
         self._pending = Batch()
@@ -574,9 +574,10 @@ class Database:
         Tables: ``tasks``, ``sessions``, ``nodes``, ``edges``, ``artifacts``,
         ``node_artifacts``, ``rewards``, ``comparisons`` (current state: latest
         row per key), each also as ``<name>_history`` (all rows), and
-        ``commits``. ``nodes`` and ``tasks`` leave out the bulky ``embedding``
-        column (they are served from an in-memory mirror); ``nodes_full``,
-        ``tasks_full`` and their ``_history`` views have it. Values go in ``params`` (``$1`` or ``$name``), never
+        ``commits``. ``nodes``, ``tasks`` and ``artifacts`` leave out their
+        bulky column (``embedding``, ``content``: the views are served from an
+        in-memory mirror); ``nodes_full``, ``tasks_full``, ``artifacts_full``
+        and their ``_history`` views have it. Values go in ``params`` (``$1`` or ``$name``), never
         into the text.
         """
         snap = self.resolve_as_of(as_of)

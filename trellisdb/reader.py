@@ -7,8 +7,9 @@ excluded until they are collected). For each table ``T`` the connection has:
 - ``T_history``: every visible row (all versions of every key);
 - ``T``: current state, the latest visible row per key (visible rows minus
   the versions a later commit superseded, see ``SqlEngine._refresh``);
-- for ``nodes`` and ``tasks``, whose ``embedding`` the two views above leave
-  out, ``T_full_history`` and ``T_full`` with every column;
+- for ``nodes``, ``tasks`` (``embedding``) and ``artifacts`` (``content``),
+  whose bulky column the two views above leave out, ``T_full_history`` and
+  ``T_full`` with every column;
 - ``commits``: the commit log up to ``S``.
 
 DuckDB specifics stay in this module.
@@ -19,7 +20,7 @@ from __future__ import annotations
 import re
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import duckdb
@@ -34,6 +35,9 @@ DUCKDB_CONFIG: dict[str, str | bool | int | float | list[str]] = {
     "autoinstall_known_extensions": False,
     "autoload_known_extensions": False,
 }
+
+#: New fragments holding at most this many rows are read whole into the mirror.
+SMALL_FRAGMENTS = 65_536
 
 #: Seconds after which a reader re-reads table manifests even if the log is unchanged.
 REFRESH_EVERY = 30.0
@@ -62,7 +66,7 @@ def commits_table(state: LogState, upto: int) -> pa.Table:
 
 #: Bulky columns left out of the mirror (and of the views ``T``, ``T_history``);
 #: the views ``T_full``, ``T_full_history`` add them, read from Lance.
-WIDE: dict[str, tuple[str, ...]] = {"nodes": ("embedding",), "tasks": ("embedding",)}
+WIDE: dict[str, tuple[str, ...]] = {"nodes": ("embedding",), "tasks": ("embedding",), "artifacts": ("content",)}
 
 
 def _narrow(name: str) -> str:
@@ -108,7 +112,7 @@ class SqlEngine:
     per thread, re-pointed at a snapshot per query.
 
     The database holds, shared by every thread, the *mirror* ``__mir_T`` of
-    each table but ``artifacts``: the visible rows up to the newest snapshot
+    each table: the visible rows up to the newest snapshot
     asked for, every column but the bulky ones (``WIDE``), copied from Lance
     once and then by the rows of each new commit. Queries read the mirror:
     DuckDB scans its own columnar tables in parallel, with statistics, 2-3x
@@ -121,10 +125,12 @@ class SqlEngine:
     such as the CLI), slower queries.
     """
 
-    def __init__(self, tables: LanceTables, mirror: bool = True) -> None:
+    def __init__(self, tables: LanceTables, top: Callable[[], int], mirror: bool = True) -> None:
         self._tables = tables
+        #: the highest commit id begun, read from the log now
+        self._top = top
         #: tables served from the mirror (none when ``mirror`` is off: every query scans Lance)
-        self.mirrored = frozenset(t for t in DATA_TABLES if t != "artifacts") if mirror else frozenset()
+        self.mirrored = frozenset(DATA_TABLES) if mirror else frozenset()
         self._local = threading.local()
         self._db = duckdb.connect(config=DUCKDB_CONFIG)
         self._lock = threading.Lock()  # guards the shared tables and the bookkeeping below
@@ -132,6 +138,8 @@ class SqlEngine:
         self._upto: dict[str, int] = {}
         #: tables whose Lance files could not be read at the last refresh
         self._broken: set[str] = set()
+        #: per mirrored table: fragments up to this id are fully mirrored
+        self._mark: dict[str, int] = {}
 
     def _con(self) -> duckdb.DuckDBPyConnection:
         con = getattr(self._local, "con", None)
@@ -163,8 +171,9 @@ class SqlEngine:
                 con.register(f"__lance_{name}", ds)
                 registered[name] = id(ds)
         self._local.registered = registered
+        top = self._top()  # after the checkouts: no row in them has a higher id
         with self._lock:
-            self._refresh(con, snapshot, aborted)
+            self._refresh(con, snapshot, aborted, top)
             broken = frozenset(self._broken)
         key = (snapshot, tuple(aborted), broken)
         if getattr(self._local, "views_key", None) != key:
@@ -175,19 +184,26 @@ class SqlEngine:
             self._local.commits_key = (snapshot, len(state.commits), len(state.tags))
         return con
 
-    def _refresh(self, con: duckdb.DuckDBPyConnection, snapshot: int, aborted: list[int]) -> None:
+    def _refresh(self, con: duckdb.DuckDBPyConnection, snapshot: int, aborted: list[int], top: int) -> None:
         """Extend the mirror and ``__sup_T`` (superseded row versions) to ``snapshot``.
 
         The mirror gains the visible rows of the commits since the last
         refresh (aborted ids are left out: at or below ``snapshot`` they are
-        final). ``__sup_T`` holds ``(key, commit_id, by_commit)`` for every
-        visible row that a later visible row of the same key replaced,
-        ``by_commit`` being the replacing commit. The current state as of
-        any ``S`` covered is then the visible rows minus those with
-        ``by_commit <= S``: an anti-join with a table as small as the number
-        of updates, instead of a window over every key. It grows by the keys
-        of the commits since the last refresh (their versions are found with
-        one semi-join).
+        final). Only Lance fragments newer than the table's *watermark* are
+        read: once a refresh has seen every row of a dataset version (no
+        commit had begun above ``snapshot`` when the log was read after the
+        version was checked out, ``top`` being the highest begun id then;
+        writers log ``begin`` before they append), the fragments of that
+        version hold nothing new. Appends and compactions add fragments with
+        higher ids, so a table no commit touched costs nothing.
+
+        ``__sup_T`` holds ``(key, commit_id, by_commit)`` for every visible
+        row that a later visible row of the same key replaced, ``by_commit``
+        being the replacing commit. The current state as of any ``S``
+        covered is then the visible rows minus those with ``by_commit <= S``:
+        an anti-join with a table as small as the number of updates, instead
+        of a window over every key. It grows by the keys of the commits since
+        the last refresh (their versions are found with one semi-join).
         """
         for name in DATA_TABLES:
             done = self._upto.get(name)
@@ -205,15 +221,14 @@ class SqlEngine:
                         f"SELECT {keys}, commit_id, commit_id AS by_commit FROM __lance_{name} LIMIT 0"
                     )
                     done = 0
+                new_rows = True
                 if mirrored:
-                    con.execute(
-                        f"INSERT INTO __mir_{name} {_narrow(name)} "
-                        f"WHERE commit_id > {int(done)} AND {_visible(snapshot, aborted)}"
-                    )
-                source = f"__mir_{name}" if mirrored else f"__lance_{name}"
-                con.execute(_superseded_since(name, source, done, snapshot, aborted))
+                    new_rows, mark = self._mirror_new(con, name, done, snapshot, aborted)
+                if new_rows:
+                    source = f"__mir_{name}" if mirrored else f"__lance_{name}"
+                    con.execute(_superseded_since(name, source, done, snapshot, aborted))
                 con.execute("COMMIT")
-            except duckdb.Error:
+            except (duckdb.Error, OSError, ValueError, RuntimeError):
                 con.execute("ROLLBACK")
                 # A damaged table: leave it to the query that reads it, which
                 # reports it as corruption; other tables stay readable.
@@ -221,6 +236,39 @@ class SqlEngine:
                 continue
             self._broken.discard(name)
             self._upto[name] = snapshot
+            if mirrored and top <= snapshot:
+                self._mark[name] = mark
+
+    def _mirror_new(
+        self, con: duckdb.DuckDBPyConnection, name: str, done: int, snapshot: int, aborted: list[int]
+    ) -> tuple[bool, int]:
+        """Copy the rows of commits in ``(done, snapshot]`` from the fragments
+        above the watermark into the mirror; returns (rows added?, highest fragment id)."""
+        ds = self._tables.dataset(name, refresh=False)  # this thread's, as registered by prepare
+        frags = ds.get_fragments()
+        mark = self._mark.get(name, -1)
+        new = [f for f in frags if f.fragment_id > mark]
+        top_frag = max((f.fragment_id for f in frags), default=mark)
+        if not new:
+            return False, top_frag
+        cols = [f.name for f in ds.schema if f.name not in WIDE.get(name, ())]
+        rows: pa.Table | pa.RecordBatchReader
+        if sum(f.physical_rows for f in new) <= SMALL_FRAGMENTS:
+            # a commit's few rows: reading them whole beats planning a filtered scan
+            rows = pa.concat_tables([f.to_table(columns=cols) for f in new])
+        else:  # the first copy, or a compaction's output: stream, filtered in Lance
+            rows = ds.scanner(
+                columns=cols, fragments=new, filter=f"commit_id > {int(done)} AND commit_id <= {int(snapshot)}"
+            ).to_reader()
+        con.register("__new_rows", rows)
+        try:
+            row = con.execute(
+                f"INSERT INTO __mir_{name} SELECT * FROM __new_rows "
+                f"WHERE commit_id > {int(done)} AND {_visible(snapshot, aborted)}"
+            ).fetchone()
+        finally:
+            con.unregister("__new_rows")
+        return bool(row and row[0]), top_frag
 
     def _create_views(
         self, con: duckdb.DuckDBPyConnection, snapshot: int, aborted: list[int], broken: frozenset[str]
