@@ -36,6 +36,9 @@ DUCKDB_CONFIG: dict[str, str | bool | int | float | list[str]] = {
     "autoload_known_extensions": False,
 }
 
+#: The snapshot as the views read it: a connection variable, set per query.
+SNAPSHOT = "getvariable('trellis_snapshot')"
+
 #: New fragments holding at most this many rows are read whole into the mirror.
 SMALL_FRAGMENTS = 65_536
 
@@ -140,6 +143,8 @@ class SqlEngine:
         self._broken: set[str] = set()
         #: per mirrored table: fragments up to this id are fully mirrored
         self._mark: dict[str, int] = {}
+        #: per table: the first commit that superseded a version (absent: none yet)
+        self._sup_min: dict[str, int] = {}
 
     def _con(self) -> duckdb.DuckDBPyConnection:
         con = getattr(self._local, "con", None)
@@ -175,13 +180,21 @@ class SqlEngine:
         with self._lock:
             self._refresh(con, snapshot, aborted, top)
             broken = frozenset(self._broken)
-        key = (snapshot, tuple(aborted), broken)
+            # tables where some version is superseded as of the snapshot: only their views need the anti-join
+            superseded = frozenset(t for t, c in self._sup_min.items() if c <= snapshot)
+        # The views read the snapshot from a connection variable, so they are
+        # re-created only when what they are made of changes, not per snapshot.
+        if getattr(self._local, "snapshot", None) != snapshot:
+            con.execute(f"SET VARIABLE trellis_snapshot = {int(snapshot)}")
+            self._local.snapshot = snapshot
+        key = (tuple(aborted), broken, superseded)
         if getattr(self._local, "views_key", None) != key:
-            self._create_views(con, snapshot, aborted, broken)
+            self._create_views(con, aborted, broken, superseded)
             self._local.views_key = key
-        if getattr(self._local, "commits_key", None) != (snapshot, len(state.commits), len(state.tags)):
-            con.register("commits", commits_table(state, snapshot))
-            self._local.commits_key = (snapshot, len(state.commits), len(state.tags))
+        if getattr(self._local, "commits_key", None) != (len(state.commits), len(state.tags)):
+            con.register("__commits", commits_table(state, state.last_committed))
+            con.execute(f"CREATE OR REPLACE TEMP VIEW commits AS SELECT * FROM __commits WHERE id <= {SNAPSHOT}")
+            self._local.commits_key = (len(state.commits), len(state.tags))
         return con
 
     def _refresh(self, con: duckdb.DuckDBPyConnection, snapshot: int, aborted: list[int], top: int) -> None:
@@ -224,9 +237,12 @@ class SqlEngine:
                 new_rows = True
                 if mirrored:
                     new_rows, mark = self._mirror_new(con, name, done, snapshot, aborted)
+                low = None
                 if new_rows:
                     source = f"__mir_{name}" if mirrored else f"__lance_{name}"
                     con.execute(_superseded_since(name, source, done, snapshot, aborted))
+                    row = con.execute(f"SELECT min(by_commit) FROM __sup_{name}").fetchone()
+                    low = row[0] if row else None
                 con.execute("COMMIT")
             except (duckdb.Error, OSError, ValueError, RuntimeError):
                 con.execute("ROLLBACK")
@@ -236,6 +252,8 @@ class SqlEngine:
                 continue
             self._broken.discard(name)
             self._upto[name] = snapshot
+            if low is not None:
+                self._sup_min[name] = int(low)
             if mirrored and top <= snapshot:
                 self._mark[name] = mark
 
@@ -271,33 +289,30 @@ class SqlEngine:
         return bool(row and row[0]), top_frag
 
     def _create_views(
-        self, con: duckdb.DuckDBPyConnection, snapshot: int, aborted: list[int], broken: frozenset[str]
+        self, con: duckdb.DuckDBPyConnection, aborted: list[int], broken: frozenset[str], superseded: frozenset[str]
     ) -> None:
-        visible = _visible(snapshot, aborted)
+        visible = f"commit_id <= {SNAPSHOT}"
+        if aborted:
+            visible += f" AND commit_id NOT IN ({', '.join(str(int(i)) for i in aborted)})"
         for name in DATA_TABLES:
             on = " AND ".join(f"h.{k} = s.{k}" for k in (*KEYS[name], "commit_id"))
             full = f"SELECT * FROM __lance_{name} WHERE {visible}"
-            if name in self.mirrored and name not in broken:
-                narrow = f"SELECT * FROM __mir_{name} WHERE commit_id <= {int(snapshot)}"
+            if name in self.mirrored and name not in broken:  # aborted rows never enter the mirror
+                narrow = f"SELECT * FROM __mir_{name} WHERE commit_id <= {SNAPSHOT}"
             else:
                 narrow = _narrow(name) + f" WHERE {visible}"
             history = {name: narrow, f"{name}_full": full} if name in WIDE else {name: narrow}
-            if name in broken:  # unreadable now: plain definitions that fail (clearly) only when used
-                window = f"QUALIFY row_number() OVER (PARTITION BY {', '.join(KEYS[name])} ORDER BY commit_id DESC) = 1"
-                for view, rows in history.items():
-                    con.execute(f"CREATE OR REPLACE TEMP VIEW {view}_history AS {rows}")
-                    con.execute(f"CREATE OR REPLACE TEMP VIEW {view} AS SELECT * FROM {view}_history {window}")
-                continue
-            sup = f"(SELECT * FROM __sup_{name} WHERE by_commit <= {int(snapshot)})"
-            row = con.execute(f"SELECT count(*) FROM {sup}").fetchone()
             for view, rows in history.items():
                 con.execute(f"CREATE OR REPLACE TEMP VIEW {view}_history AS {rows}")
-                if not row or not row[0]:  # nothing superseded (yet): current = visible, no join to pay
-                    con.execute(f"CREATE OR REPLACE TEMP VIEW {view} AS SELECT * FROM {view}_history")
-                else:
-                    con.execute(
-                        f"CREATE OR REPLACE TEMP VIEW {view} AS SELECT h.* FROM {view}_history h ANTI JOIN {sup} s ON {on}"
-                    )
+                if name in broken:  # unreadable now: a plain definition that fails (clearly) only when used
+                    window = f"QUALIFY row_number() OVER (PARTITION BY {', '.join(KEYS[name])} ORDER BY commit_id DESC) = 1"
+                    current = f"SELECT * FROM {view}_history {window}"
+                elif name in superseded:
+                    sup = f"(SELECT * FROM __sup_{name} WHERE by_commit <= {SNAPSHOT})"
+                    current = f"SELECT h.* FROM {view}_history h ANTI JOIN {sup} s ON {on}"
+                else:  # nothing superseded (yet): current = visible, no join to pay
+                    current = f"SELECT * FROM {view}_history"
+                con.execute(f"CREATE OR REPLACE TEMP VIEW {view} AS {current}")
 
     def run(
         self,
