@@ -62,6 +62,8 @@ def test_mirror_equals_lance_at_every_commit(tmp_path: Path, monkeypatch: pytest
                 assert mirror == lance, (at, view)
                 assert plain.sql(f"SELECT * FROM {view} ORDER BY ALL", as_of=at).to_pylist() == mirror, (at, view)
     assert [r["value"] for r in db.sql("SELECT value FROM rewards").to_pylist()] == [0.75]
+    # every table was served from the mirror (a failed refresh falls back to Lance scans silently)
+    assert db._engine._broken == set() and set(db._engine._upto) == set(DATA_TABLES)
     frontier = "FRONTIER RANK BY reward('score') DESC RETURN id, reward('score') AS s"
     assert db.query(frontier).to_pylist() == plain.query(frontier).to_pylist() == [{"id": "b", "s": 0.75}]
     plain.close()
@@ -132,5 +134,6 @@ def test_rows_a_reader_saw_in_flight_are_mirrored_once_committed(tmp_path: Path,
     w.add_node(id="c", parents=["b"])
     db.flush()
     assert reader.query("LINEAGE OF 'c' ANCESTORS RETURN id").to_pylist() == [{"id": "c"}, {"id": "b"}, {"id": "a"}]
+    assert reader._engine._broken == set() and set(reader._engine._upto) == set(DATA_TABLES)
     reader.close()
     db.close()

@@ -22,6 +22,7 @@ import contextlib
 import datetime as dt
 import json
 import os
+import re
 import socket
 import threading
 import time
@@ -128,6 +129,10 @@ def _init_folder(path: str, dim: int) -> None:
 
 
 _OUR_FILES = {"tables", "commits.log", "LOCK", MARKER + ".tmp"}
+
+
+#: A table named in SQL text (``nodes``, ``nodes_full_history``, ...).
+_TABLE_NAMES = re.compile(rf"\b({'|'.join(DATA_TABLES)})(?:_full)?(?:_history)?\b")
 
 
 class Transaction:
@@ -689,7 +694,10 @@ class Database:
     def _lookup(self, text: str, params: list[Any], at: int | None = None) -> list[dict[str, Any]]:
         """Rows of an internal query as of commit ``at`` (default: the latest)."""
         st = self._log.refresh()
-        return self._engine.run(st, st.last_committed if at is None else at, text, params).to_pylist()  # type: ignore[no-any-return]
+        # our own texts: the tables they name are the ones whose mirror must be current
+        tables = tuple(dict.fromkeys(m.group(1) for m in _TABLE_NAMES.finditer(text)))
+        snapshot = st.last_committed if at is None else at
+        return self._engine.run(st, snapshot, text, params, tables).to_pylist()  # type: ignore[no-any-return]
 
     def _has_artifact(self, h: str) -> bool:
         if h in self._known_hashes or h in self._pending.hashes:

@@ -153,8 +153,13 @@ class SqlEngine:
             self._local.con = con
         return con
 
-    def prepare(self, state: LogState, snapshot: int) -> duckdb.DuckDBPyConnection:
-        """A connection whose views show the database as of ``snapshot``."""
+    def prepare(
+        self, state: LogState, snapshot: int, tables: Sequence[str] = DATA_TABLES
+    ) -> duckdb.DuckDBPyConnection:
+        """A connection whose views show the database as of ``snapshot``.
+
+        Only the views of ``tables`` are guaranteed current: an internal
+        lookup that reads one table refreshes only that table's mirror."""
         con = self._con()
         aborted = state.aborted(below=snapshot)
         registered: dict[str, int] = getattr(self._local, "registered", {})
@@ -178,7 +183,9 @@ class SqlEngine:
         self._local.registered = registered
         top = self._top()  # after the checkouts: no row in them has a higher id
         with self._lock:
-            self._refresh(con, snapshot, aborted, top)
+            if len(self._upto) < len(DATA_TABLES):  # the views need every mirror table to exist
+                tables = DATA_TABLES
+            self._refresh(con, snapshot, aborted, top, tables)
             broken = frozenset(self._broken)
             # tables where some version is superseded as of the snapshot: only their views need the anti-join
             superseded = frozenset(t for t, c in self._sup_min.items() if c <= snapshot)
@@ -197,7 +204,10 @@ class SqlEngine:
             self._local.commits_key = (len(state.commits), len(state.tags))
         return con
 
-    def _refresh(self, con: duckdb.DuckDBPyConnection, snapshot: int, aborted: list[int], top: int) -> None:
+    def _refresh(
+        self, con: duckdb.DuckDBPyConnection, snapshot: int, aborted: list[int], top: int,
+        tables: Sequence[str] = DATA_TABLES,
+    ) -> None:
         """Extend the mirror and ``__sup_T`` (superseded row versions) to ``snapshot``.
 
         The mirror gains the visible rows of the commits since the last
@@ -218,57 +228,93 @@ class SqlEngine:
         of a window over every key. It grows by the keys of the commits since
         the last refresh (their versions are found with one semi-join).
         """
-        for name in DATA_TABLES:
+        todo: list[tuple[str, int | None, list[Any], int]] = []
+        for name in tables:
             done = self._upto.get(name)
             if done is not None and snapshot <= done:
                 continue
-            keys = ", ".join(KEYS[name])
-            mirrored = name in self.mirrored
-            try:
-                con.execute("BEGIN")
-                if done is None:
-                    if mirrored:
-                        con.execute(f"CREATE OR REPLACE TABLE __mir_{name} AS {_narrow(name)} LIMIT 0")
-                    con.execute(
-                        f"CREATE OR REPLACE TABLE __sup_{name} AS "
-                        f"SELECT {keys}, commit_id, commit_id AS by_commit FROM __lance_{name} LIMIT 0"
-                    )
-                    done = 0
-                new_rows = True
-                if mirrored:
-                    new_rows, mark = self._mirror_new(con, name, done, snapshot, aborted)
-                low = None
-                if new_rows:
-                    source = f"__mir_{name}" if mirrored else f"__lance_{name}"
-                    con.execute(_superseded_since(name, source, done, snapshot, aborted))
-                    row = con.execute(f"SELECT min(by_commit) FROM __sup_{name}").fetchone()
-                    low = row[0] if row else None
-                con.execute("COMMIT")
-            except (duckdb.Error, OSError, ValueError, RuntimeError):
-                con.execute("ROLLBACK")
-                # A damaged table: leave it to the query that reads it, which
-                # reports it as corruption; other tables stay readable.
-                self._broken.add(name)
-                continue
-            self._broken.discard(name)
-            self._upto[name] = snapshot
-            if low is not None:
-                self._sup_min[name] = int(low)
-            if mirrored and top <= snapshot:
-                self._mark[name] = mark
+            new: list[Any] = []
+            mark = -1
+            if name in self.mirrored:
+                try:
+                    frags = self._tables.dataset(name, refresh=False).get_fragments()  # as registered by prepare
+                except (OSError, ValueError, RuntimeError):
+                    self._broken.add(name)
+                    continue
+                mark = self._mark.get(name, -1)
+                new = [f for f in frags if f.fragment_id > mark]
+                mark = max((f.fragment_id for f in frags), default=mark)
+                if not new and done is not None:  # nothing was written to this table: no SQL at all
+                    self._advance(name, snapshot, top, mark, None)
+                    continue
+            todo.append((name, done, new, mark))
+        if not todo:
+            return
+        # One transaction for every table touched (a statement costs ~1 ms
+        # here); should one table fail, redo them one by one to isolate it.
+        try:
+            con.execute("BEGIN")
+            lows = [self._refresh_table(con, name, done, new, snapshot, aborted) for name, done, new, _ in todo]
+            con.execute("COMMIT")
+        except (duckdb.Error, OSError, ValueError, RuntimeError):
+            con.execute("ROLLBACK")
+            lows = []
+            for name, done, new, _mark in todo:
+                try:
+                    con.execute("BEGIN")
+                    lows.append(self._refresh_table(con, name, done, new, snapshot, aborted))
+                    con.execute("COMMIT")
+                except (duckdb.Error, OSError, ValueError, RuntimeError):
+                    con.execute("ROLLBACK")
+                    # A damaged table: leave it to the query that reads it, which
+                    # reports it as corruption; other tables stay readable.
+                    self._broken.add(name)
+                    lows.append(False)
+        for (name, _done, _new, mark), low in zip(todo, lows, strict=True):
+            if low is not False:
+                self._broken.discard(name)
+                self._advance(name, snapshot, top, mark, low)
+
+    def _advance(self, name: str, snapshot: int, top: int, mark: int, low: int | None) -> None:
+        self._upto[name] = snapshot
+        if low is not None:
+            self._sup_min[name] = min(low, self._sup_min.get(name, low))
+        if name in self.mirrored and top <= snapshot:
+            self._mark[name] = mark
+
+    def _refresh_table(
+        self, con: duckdb.DuckDBPyConnection, name: str, done: int | None, new: list[Any], snapshot: int,
+        aborted: list[int],
+    ) -> int | None:
+        """Mirror the new rows of ``name`` and extend ``__sup_<name>``; returns
+        the lowest ``by_commit`` added (None: none)."""
+        keys = ", ".join(KEYS[name])
+        mirrored = name in self.mirrored
+        if done is None:
+            if mirrored:
+                con.execute(f"CREATE OR REPLACE TABLE __mir_{name} AS {_narrow(name)} LIMIT 0")
+            con.execute(
+                f"CREATE OR REPLACE TABLE __sup_{name} AS "
+                f"SELECT {keys}, commit_id, commit_id AS by_commit FROM __lance_{name} LIMIT 0"
+            )
+            done = 0
+        if mirrored and not self._mirror_new(con, name, new, done, snapshot, aborted):
+            return None  # no new rows: nothing superseded either
+        source = f"__mir_{name}" if mirrored else f"__lance_{name}"
+        row = con.execute(_superseded_since(name, source, done, snapshot, aborted)).fetchone()
+        if not row or not row[0]:
+            return None
+        low = con.execute(f"SELECT min(by_commit) FROM __sup_{name} WHERE by_commit > {int(done)}").fetchone()
+        return int(low[0]) if low and low[0] is not None else None
 
     def _mirror_new(
-        self, con: duckdb.DuckDBPyConnection, name: str, done: int, snapshot: int, aborted: list[int]
-    ) -> tuple[bool, int]:
-        """Copy the rows of commits in ``(done, snapshot]`` from the fragments
-        above the watermark into the mirror; returns (rows added?, highest fragment id)."""
-        ds = self._tables.dataset(name, refresh=False)  # this thread's, as registered by prepare
-        frags = ds.get_fragments()
-        mark = self._mark.get(name, -1)
-        new = [f for f in frags if f.fragment_id > mark]
-        top_frag = max((f.fragment_id for f in frags), default=mark)
+        self, con: duckdb.DuckDBPyConnection, name: str, new: list[Any], done: int, snapshot: int, aborted: list[int]
+    ) -> bool:
+        """Copy the rows of commits in ``(done, snapshot]`` held by fragments
+        ``new`` (those above the watermark) into the mirror; True if any."""
         if not new:
-            return False, top_frag
+            return False
+        ds = self._tables.dataset(name, refresh=False)
         cols = [f.name for f in ds.schema if f.name not in WIDE.get(name, ())]
         rows: pa.Table | pa.RecordBatchReader
         if sum(f.physical_rows for f in new) <= SMALL_FRAGMENTS:
@@ -286,7 +332,7 @@ class SqlEngine:
             ).fetchone()
         finally:
             con.unregister("__new_rows")
-        return bool(row and row[0]), top_frag
+        return bool(row and row[0])
 
     def _create_views(
         self, con: duckdb.DuckDBPyConnection, aborted: list[int], broken: frozenset[str], superseded: frozenset[str]
@@ -320,8 +366,9 @@ class SqlEngine:
         snapshot: int,
         text: str,
         params: Sequence[Any] | Mapping[str, Any] | None = None,
+        tables: Sequence[str] = DATA_TABLES,
     ) -> pa.Table:
-        con = self.prepare(state, snapshot)
+        con = self.prepare(state, snapshot, tables)
         try:
             rel = con.sql(text, params=params)
             if rel is None:  # a statement without a result (DDL, SET)
