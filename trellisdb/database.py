@@ -51,15 +51,18 @@ from trellisdb.schema import DATA_TABLES, FORMAT_VERSION
 from trellisdb.storage import log as commit_log
 from trellisdb.storage.lock import WriterLock
 from trellisdb.storage.tables import PRUNE_GRACE, LanceTables
+from trellisdb.vectors import TARGETS, TEXT_COLUMN, IndexMaintainer, Space, SpaceRegistry, as_matrix
 from trellisdb.writer import Batch, SessionWriter, _check_str, check_embedding, config_text
 
 if TYPE_CHECKING:
+    from trellisdb.embed import Embedder
     from trellisdb.tql.run import QueryResult
 
 #: Seconds between background cleanups of old physical versions (per process).
 CLEANUP_INTERVAL = 60.0
 
 MARKER = "trellis.json"
+SPACES_FILE = "spaces.json"
 DEFAULT_EMBEDDING_DIM = 384
 AsOf = int | str | dt.datetime | None
 
@@ -83,6 +86,7 @@ def connect(
     compact_fragments: int = 8,
     create: bool = True,
     mirror: bool = True,
+    auto_index: bool = True,
 ) -> Database:
     """Open the database in folder ``path``, creating it if needed.
 
@@ -100,6 +104,11 @@ def connect(
     commit; it costs about 1 KB of memory per node and makes queries 2-4x
     faster. ``mirror=False`` scans Lance on every query instead: the better
     trade for a short-lived process that asks one question.
+
+    With ``auto_index`` (the default) a commit that takes an embedding space
+    past ``trellisdb.vectors.INDEX_MIN_ROWS`` vectors starts building its ANN
+    index on a background thread (and later commits refresh it); see
+    :meth:`Database.index_status`.
     """
     return Database(
         os.fspath(path),
@@ -110,6 +119,7 @@ def connect(
         compact_fragments=compact_fragments,
         create=create,
         mirror=mirror,
+        auto_index=auto_index,
     )
 
 
@@ -117,6 +127,8 @@ def _init_folder(path: str, dim: int) -> None:
     """Create a database; the marker file is written last, atomically."""
     tables = LanceTables(os.path.join(path, "tables"))
     tables.create_all(dim)
+    for table, col in TEXT_COLUMN.items():  # full-text indexes start empty; Lance searches new rows next to them
+        tables.dataset(table).create_scalar_index(col, index_type="INVERTED")
     log_path = os.path.join(path, "commits.log")
     if not os.path.exists(log_path):
         commit_log.create(log_path)
@@ -128,7 +140,7 @@ def _init_folder(path: str, dim: int) -> None:
     os.replace(tmp, os.path.join(path, MARKER))
 
 
-_OUR_FILES = {"tables", "commits.log", "LOCK", MARKER + ".tmp"}
+_OUR_FILES = {"tables", "commits.log", "LOCK", MARKER + ".tmp", SPACES_FILE}
 
 
 #: A table named in SQL text (``nodes``, ``nodes_full_history``, ...).
@@ -155,6 +167,7 @@ class Database:
         compact_fragments: int,
         create: bool,
         mirror: bool = True,
+        auto_index: bool = True,
     ) -> None:
         self.path = path
         self.commit_delay = commit_delay
@@ -216,6 +229,10 @@ class Database:
         self._last_cleanup = time.monotonic()
         self._cleanup_thread: threading.Thread | None = None
         self._closed = False
+        self.auto_index = auto_index
+        self._spaces = SpaceRegistry(os.path.join(path, SPACES_FILE), self.embedding_dim)
+        self._embedders: dict[tuple[str, str], Embedder] = {}
+        self._indexer = IndexMaintainer(lambda t: self._tables.dataset(t), dict(TEXT_COLUMN))
         _open_dbs.add(self)
 
     # ------------------------------------------------------------------ writing
@@ -437,8 +454,9 @@ class Database:
                     t.schema.get_field_index("commit_id"), "commit_id", pa.array([cid] * t.num_rows, pa.int64())
                 )
                 data[name] = pa.concat_tables([data[name], t]) if name in data else t
+            data.update(batch.vector_tables(cid))
             rows = 0
-            written = [name for name in DATA_TABLES if name in data and data[name].num_rows]
+            written = [name for name in (*DATA_TABLES, *batch.vectors) if name in data and data[name].num_rows]
             for name in written:
                 self._tables.append(name, data[name])
                 rows += data[name].num_rows
@@ -460,9 +478,15 @@ class Database:
             self._known_hashes.update(batch.hashes)
             if self.auto_compact:
                 for name in written:
-                    self._tables.compact_tiered(name, self.compact_fragments)
+                    # best effort: an index build committing at the same moment can make Lance refuse
+                    # the rewrite; the next commit compacts instead
+                    with contextlib.suppress(OSError, RuntimeError, ValueError):
+                        self._tables.compact_tiered(name, self.compact_fragments)
                 self._maybe_cleanup()
-            return cid
+        if self.auto_index:
+            for sp in self._spaces_written(data):
+                self._indexer.poke(sp)
+        return cid
 
     def _maybe_cleanup(self) -> None:
         """Start a background cleanup of old physical versions, at most once per
@@ -476,7 +500,7 @@ class Database:
         self._last_cleanup = now
 
         def run() -> None:
-            for name in DATA_TABLES:
+            for name in self._all_tables():
                 if self._closed:
                     return
                 # Best effort: a failure (another process cleaning the same
@@ -493,7 +517,7 @@ class Database:
         if not dead:
             return
         pred = f"commit_id IN ({', '.join(str(i) for i in dead)})"
-        for name in DATA_TABLES:
+        for name in self._all_tables():
             self._tables.delete(name, pred)
         self._log.append([{"op": "collected", "ids": dead}])
         self._log.refresh()
@@ -504,8 +528,8 @@ class Database:
         may still scan them; pass ``timedelta(0)`` when nothing else reads)."""
         self.flush()
         with self._lock.held():
-            out = {name: self._tables.compact(name) for name in DATA_TABLES}
-        for name in DATA_TABLES:
+            out = {name: self._tables.compact(name) for name in self._all_tables()}
+        for name in self._all_tables():
             self._tables.cleanup(name, prune_older_than)
         return out
 
@@ -524,6 +548,227 @@ class Database:
             self._log.append([{"op": "tag", "name": name, "id": cid}])
             self._log.refresh()
         return cid
+
+    # ------------------------------------------------------- embedding spaces
+    def create_space(
+        self,
+        name: str,
+        *,
+        target: str = "nodes",
+        dim: int | None = None,
+        embedder: Embedder | None = None,
+        model: str | None = None,
+        text: str | None = None,
+    ) -> dict[str, Any]:
+        """Create the embedding space ``name`` of ``target`` (nodes or tasks); return its description.
+
+        Give ``dim`` (vectors you supply) or an ``embedder`` (its ``dim`` and
+        ``name`` become the space's; it embeds query texts and
+        :meth:`embed`). ``text`` is the target column :meth:`embed` reads
+        (default ``summary`` for nodes, ``spec`` for tasks). Creating a space
+        that exists with the same dimension and model returns it unchanged.
+
+        >>> import tempfile, trellisdb
+        >>> db = trellisdb.connect(tempfile.mkdtemp() + "/db", embedding_dim=4)
+        >>> db.create_space("tiny", dim=2)["table"]
+        'vec_nodes_tiny'
+        """
+        from trellisdb.errors import UnknownSpaceError
+        from trellisdb.vectors import BUILTIN, check_space_name, space_schema
+
+        check_space_name(name)
+        if target not in TARGETS:
+            raise UnknownSpaceError(f"target {target!r} has no embedding spaces; use 'nodes' or 'tasks'")
+        if name == BUILTIN:
+            raise ValidationError(f"{BUILTIN!r} is the built-in space (the embedding column); choose another name")
+        if embedder is not None:
+            dim = dim or int(embedder.dim)
+            model = model or str(embedder.name)
+            if dim != embedder.dim:
+                raise ValidationError(f"dim={dim} disagrees with embedder {embedder.name!r} (dim {embedder.dim})")
+        if isinstance(dim, bool) or not isinstance(dim, int) or not 1 <= dim <= 65_536:
+            raise ValidationError(f"space {name!r} needs dim= (a whole number 1..65536) or an embedder=, got {dim!r}")
+        if text is not None:
+            from trellisdb.tql.resolve import ENTITY_COLUMNS
+
+            if text not in ENTITY_COLUMNS[target]:
+                raise ValidationError(f"text={text!r} is not a column of {target}; columns: {ENTITY_COLUMNS[target]}")
+        sp = Space(name, target, dim, model, text)
+        with self._lock.held():
+            old = self._spaces.get(target, name)
+            if old is not None:
+                if (old.dim, old.model) != (sp.dim, sp.model or old.model):
+                    raise ValidationError(
+                        f"space {name!r} of {target} exists with dim {old.dim} and model {old.model!r}; "
+                        "a new model or dimension needs a new space name"
+                    )
+                sp = old
+            else:
+                sch = space_schema(dim)
+                import lance
+
+                uri = self._tables.uri(sp.table)  # a table left by an interrupted create_space is replaced
+                lance.write_dataset(sch.empty_table(), uri, schema=sch, mode="overwrite" if os.path.exists(uri) else "create")
+                self._spaces.add(sp)
+        if embedder is not None:
+            self._embedders[(target, name)] = embedder
+        return sp.describe()
+
+    def spaces(self) -> list[dict[str, Any]]:
+        """Every embedding space: name, target, dim, model, text column, table."""
+        return [s.describe() for s in self._spaces.all()]
+
+    def _space(self, name: str, target: str) -> Space:
+        from trellisdb.errors import UnknownSpaceError
+        from trellisdb.tql.resolve import did_you_mean
+
+        sp = self._spaces.get(target, name) if target in TARGETS else None
+        if sp is None:
+            names = self._spaces.names(target) if target in TARGETS else []
+            raise UnknownSpaceError(
+                f"unknown embedding space {name!r} of {target}{did_you_mean(name, names)}; spaces: "
+                f"{', '.join(names) or 'none'} (create one with db.create_space)"
+            )
+        return sp
+
+    def _space_tables(self) -> list[str]:
+        return [s.table for s in self._spaces.all() if not s.builtin]
+
+    def _all_tables(self) -> list[str]:
+        return [*DATA_TABLES, *self._space_tables()]
+
+    def _spaces_written(self, data: Mapping[str, pa.Table]) -> list[Space]:
+        """The spaces a commit added vectors to (built-in: a non-null embedding)."""
+        out = []
+        for sp in self._spaces.all():
+            t = data.get(sp.table)
+            if t is None or not t.num_rows:
+                continue
+            if sp.builtin and t.column(sp.column).null_count == t.num_rows:
+                continue
+            out.append(sp)
+        return out
+
+    def set_embedder(self, space: str, embedder: Embedder, *, target: str = "nodes") -> None:
+        """Use ``embedder`` (in this process) for query texts and :meth:`embed` of ``space``."""
+        sp = self._space(space, target)
+        if embedder.dim != sp.dim:
+            from trellisdb.errors import EmbeddingDimensionError
+
+            raise EmbeddingDimensionError(f"embedder {embedder.name!r} has dim {embedder.dim}; space {space!r} has {sp.dim}")
+        self._embedders[(target, space)] = embedder
+
+    def _embedder(self, sp: Space) -> Embedder:
+        emb = self._embedders.get((sp.target, sp.name))
+        if emb is None:
+            from trellisdb.embed import MiniLM
+
+            if sp.model == MiniLM.name:
+                emb = self._embedders[(sp.target, sp.name)] = MiniLM()
+            else:
+                from trellisdb.errors import EmbedderError
+
+                raise EmbedderError(
+                    f"space {sp.name!r} ({sp.model or 'vectors supplied by the caller'}) has no embedder in this "
+                    f"process: pass a vector ($v) instead of a text, or call db.set_embedder({sp.name!r}, ...)"
+                )
+        return emb
+
+    def add_vectors(self, space: str, ids: Sequence[str], vectors: Any, *, target: str = "nodes") -> None:
+        """Add vectors (an (n, dim) array or n sequences) for existing node/task ``ids`` to ``space``.
+
+        Group-committed like every write (or part of the open transaction).
+        A vector added again for an id is added next to the old one; searches
+        list each id once, at its best distance (a new model belongs in a new
+        space). The built-in space takes vectors through ``add_node(embedding=...)``.
+        """
+        sp = self._space(space, target)
+        if sp.builtin:
+            raise ValidationError("the built-in space 'embedding' is written with add_node(embedding=...)")
+        if isinstance(ids, str):
+            raise ValidationError(f"ids must be a list of ids, got the string {ids!r}")
+        ids = [_check_str(i, "id", optional=False) or "" for i in ids]
+        mat = as_matrix(vectors, sp.dim, f"vectors for space {space!r}")
+        if mat.shape[0] != len(ids):
+            raise ValidationError(f"{len(ids)} ids but {mat.shape[0]} vectors for space {space!r}")
+        if len(set(ids)) != len(ids):
+            raise ValidationError(f"ids repeat in one add_vectors call to space {space!r}")
+        if target == "nodes":
+            missing = self._missing_nodes(ids)
+        else:
+            missing = [i for i in ids if i not in self._names("tasks", "id") and not self._pending_task(i)]
+        if missing:
+            raise (UnknownNodeError if target == "nodes" else ValidationError)(
+                f"{target[:-1]} {missing[0]!r} does not exist ({len(missing)} of {len(ids)} ids are unknown); "
+                f"add the {target[:-1]} before its vector"
+            )
+        with self._sink() as b:
+            b.vectors.setdefault(sp.table, []).append((ids, mat))
+
+    def _pending_task(self, task_id: str) -> bool:
+        tx = getattr(self._tx, "batch", None)
+        return task_id in self._pending.tasks or (tx is not None and task_id in tx.tasks)
+
+    def embed(
+        self,
+        space: str,
+        *,
+        target: str = "nodes",
+        batch_size: int = 256,
+        progress: Any = None,
+    ) -> int:
+        """Compute the missing vectors of ``space`` with its embedder; return how many were added.
+
+        Embeds the space's text column of every row that has text and no
+        vector yet, ``batch_size`` texts per commit (so a long run keeps what
+        it did). ``progress(done, total)`` is called after each batch.
+        """
+        sp = self._space(space, target)
+        if sp.builtin:
+            raise ValidationError("the built-in space holds supplied vectors; create a space with an embedder to embed")
+        emb = self._embedder(sp)
+        self.flush()
+        import lance
+
+        from trellisdb.embed import check_vectors
+
+        have = lance.dataset(self._tables.uri(sp.table)).to_table(columns=["id"])
+        col = sp.text or TEXT_COLUMN[target]
+        st = self._log.refresh()
+        con = self._engine.prepare(st, st.last_committed, (target,))
+        con.register("__have", have)
+        try:
+            todo = con.execute(
+                f'SELECT id, "{col}" AS t FROM {target} WHERE "{col}" IS NOT NULL AND id NOT IN (SELECT id FROM __have) '
+                "ORDER BY id"
+            ).to_arrow_table()
+        finally:
+            con.unregister("__have")
+        ids, texts = todo["id"].to_pylist(), todo["t"].to_pylist()
+        for lo in range(0, len(ids), batch_size):
+            chunk = texts[lo : lo + batch_size]
+            vecs = check_vectors(emb, chunk, emb.embed(chunk))
+            b = Batch()
+            b.vectors[sp.table] = [(ids[lo : lo + batch_size], vecs)]
+            self._commit(b, message=f"embed {target} into space {space}")
+            if progress is not None:
+                progress(min(lo + batch_size, len(ids)), len(ids))
+        return len(ids)
+
+    def index_status(self) -> list[dict[str, Any]]:
+        """Per space: state (exact | building | indexed | failed), rows, indexed_rows,
+        partitions, building_for_seconds, last_build_seconds, builds, error."""
+        return [self._indexer.observe(sp).as_dict() for sp in self._spaces.all()]
+
+    def build_index(self, space: str = "embedding", *, target: str = "nodes", wait: bool = True) -> dict[str, Any]:
+        """Build (or rebuild) the ANN index of ``space`` now, whatever its size; with
+        ``wait`` block until done. Returns the space's index status."""
+        sp = self._space(space, target)
+        self.flush()
+        self._indexer.poke(sp, force="create")
+        if wait:
+            self._indexer.wait()
+        return self._indexer.observe(sp).as_dict()
 
     # ------------------------------------------------------------------ reading
     def log(self) -> list[dict[str, Any]]:
@@ -711,7 +956,7 @@ class Database:
     def verify(self) -> list[str]:
         """Check every file; return problems, each naming the file (empty: healthy)."""
         problems = [msg for _, msg in self._log.refresh().problems]
-        for name in DATA_TABLES:
+        for name in self._all_tables():
             problems.extend(self._tables.verify(name))
         return problems
 
@@ -721,6 +966,7 @@ class Database:
             return
         self.flush()
         self._closed = True
+        self._indexer.closed = True  # a build in progress finishes (or is abandoned at exit: Lance commits atomically)
         if self._cleanup_thread is not None:
             self._cleanup_thread.join()
 

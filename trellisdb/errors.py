@@ -88,3 +88,15 @@ class QueryTypeError(QueryError):
 
 class QueryNameError(QueryError):
     """A TQL query naming an unknown column, function, channel, session, task, tag or parameter."""
+
+
+class EmbedderError(TrellisError):
+    """An embedder is missing, misconfigured, or returned vectors of the wrong shape."""
+
+
+class UnknownSpaceError(ValidationError):
+    """A write or call names an embedding space that does not exist."""
+
+
+class EmptySpaceError(QueryError):
+    """A retrieval over an embedding space that holds no vectors as of the query's commit."""

@@ -367,8 +367,12 @@ class SqlEngine:
         text: str,
         params: Sequence[Any] | Mapping[str, Any] | None = None,
         tables: Sequence[str] = DATA_TABLES,
+        relations: Mapping[str, pa.Table] | None = None,
     ) -> pa.Table:
+        """Rows of ``text`` as of ``snapshot``; ``relations`` are Arrow tables the text may read by name."""
         con = self.prepare(state, snapshot, tables)
+        for name, t in (relations or {}).items():
+            con.register(name, t)
         try:
             rel = con.sql(text, params=params)
             if rel is None:  # a statement without a result (DDL, SET)
@@ -385,3 +389,6 @@ class SqlEngine:
                     f"table {m.group(1)!r} could not be read ({e}); run `trellis verify` to name the damaged file"
                 ) from e
             raise QueryError(f"SQL failed: {e}") from e
+        finally:
+            for name in relations or {}:
+                con.unregister(name)

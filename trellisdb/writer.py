@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import pyarrow as pa
 
 from trellisdb.errors import (
@@ -56,9 +57,23 @@ class Batch:
     tasks: set[str] = field(default_factory=set)
     hashes: set[str] = field(default_factory=set)
     session_id: str | None = None
+    #: space table -> (ids, (n, dim) float32 vectors) chunks, in write order
+    vectors: dict[str, list[tuple[list[str], Any]]] = field(default_factory=dict)
 
     def __len__(self) -> int:
-        return sum(len(r) for r in self.rows.values())
+        return sum(len(r) for r in self.rows.values()) + sum(len(i) for c in self.vectors.values() for i, _ in c)
+
+    def vector_tables(self, commit_id: int) -> dict[str, pa.Table]:
+        """The space rows of this batch as one Arrow table per space table (no per-row work)."""
+        from trellisdb.vectors import space_schema, vector_column
+
+        out = {}
+        for name, chunks in self.vectors.items():
+            ids = [i for c, _ in chunks for i in c]
+            mat = np.concatenate([m for _, m in chunks])
+            cols = [pa.array(ids, pa.string()), vector_column(mat), pa.array(np.full(len(ids), commit_id, np.int64))]
+            out[name] = pa.Table.from_arrays(cols, schema=space_schema(mat.shape[1]))
+        return out
 
     def to_arrow(self, dim: int, commit_id: int) -> dict[str, pa.Table]:
         out: dict[str, pa.Table] = {}

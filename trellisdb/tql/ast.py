@@ -195,7 +195,31 @@ class PathQuery:
     span: Span = NO_SPAN
 
 
-Statement = Select | Frontier | Lineage | Siblings | PathQuery
+@dataclass(frozen=True)
+class ExpandItem:
+    direction: str  # "ancestors" | "descendants" | "siblings" | "lineage"
+    hops: Value | None = None
+
+
+@dataclass(frozen=True)
+class Retrieve:
+    """Seeds by vector similarity and/or keywords, then their lineage."""
+
+    k: Value
+    similar: Value | None = None  # a text, or a $param holding a vector
+    space: str | None = None
+    matching: Value | None = None
+    entity: str = "nodes"  # "nodes" | "tasks"
+    where: Expr | None = None
+    expand: tuple[ExpandItem, ...] = ()
+    via: tuple[str, ...] = ()
+    rank: tuple[OrderItem, ...] = ()
+    limit: Value | None = None
+    returning: tuple[Proj, ...] = ()
+    span: Span = NO_SPAN
+
+
+Statement = Select | Frontier | Lineage | Siblings | PathQuery | Retrieve
 
 
 @dataclass(frozen=True)
@@ -245,7 +269,7 @@ class ToAst(Transformer[Token, Any]):
     # -- statements
     def start(self, meta: Any, items: list[Any]) -> Query:
         explain = any(i == "@explain" for i in items)
-        stmt = next(i for i in items if isinstance(i, Select | Frontier | Lineage | Siblings | PathQuery))
+        stmt = next(i for i in items if isinstance(i, Select | Frontier | Lineage | Siblings | PathQuery | Retrieve))
         as_of = next((i for i in items if isinstance(i, AsOf)), None)
         return Query(stmt, as_of, explain, self.text)
 
@@ -330,6 +354,49 @@ class ToAst(Transformer[Token, Any]):
         rest = _kw(items)
         c = _clauses(items)
         return PathQuery(rest[0], rest[1], c.get("via", ()), c.get("returning", ()), _span(meta))
+
+    def retrieve(self, meta: Any, items: list[Any]) -> Retrieve:
+        from trellisdb.errors import QuerySyntaxError
+
+        c = _clauses(items)
+        k = _kw(items)[0]
+        similar = [i for i in items if isinstance(i, tuple) and i[0] == "@similar"]
+        matching = [i for i in items if isinstance(i, tuple) and i[0] == "@matching"]
+        if len(similar) > 1 or len(matching) > 1:
+            raise QuerySyntaxError("RETRIEVE takes at most one SIMILAR TO and one MATCHING", meta.line, meta.column)
+        sim, space = similar[0][1] if similar else (None, None)
+        expand, via = c.get("expand", ((), ()))
+        return Retrieve(k, sim, space, matching[0][1] if matching else None, c.get("from", "nodes"), c.get("where"),
+                        expand, via, c.get("rank", ()), c.get("limit"), c.get("returning", ()), _span(meta))
+
+    def similar(self, meta: Any, items: list[Any]) -> tuple[str, tuple[Value, str | None]]:
+        rest = _kw(items)
+        return ("@similar", (rest[0], rest[1] if len(rest) > 1 else None))
+
+    def matching(self, meta: Any, items: list[Any]) -> tuple[str, Value]:
+        return ("@matching", _kw(items)[0])
+
+    def retrieve_from(self, meta: Any, items: list[Any]) -> tuple[str, str]:
+        return ("@from", str(items[1]).lower())
+
+    def expand(self, meta: Any, items: list[Any]) -> tuple[str, tuple[tuple[ExpandItem, ...], tuple[str, ...]]]:
+        c = _clauses(items)
+        return ("@expand", (tuple(i for i in items if isinstance(i, ExpandItem)), c.get("via", ())))
+
+    def expand_ancestors(self, meta: Any, items: list[Any]) -> ExpandItem:
+        rest = _kw(items)
+        return ExpandItem("ancestors", rest[0] if rest else None)
+
+    def expand_descendants(self, meta: Any, items: list[Any]) -> ExpandItem:
+        rest = _kw(items)
+        return ExpandItem("descendants", rest[0] if rest else None)
+
+    def expand_siblings(self, meta: Any, items: list[Any]) -> ExpandItem:
+        return ExpandItem("siblings", None)
+
+    def expand_lineage(self, meta: Any, items: list[Any]) -> ExpandItem:
+        rest = _kw(items)
+        return ExpandItem("lineage", rest[0] if rest else None)
 
     def via(self, meta: Any, items: list[Any]) -> tuple[str, tuple[str, ...]]:
         return ("@via", tuple(_kw(items)))

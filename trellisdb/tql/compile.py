@@ -30,7 +30,7 @@ from sqlglot import exp
 from trellisdb.errors import QueryError
 from trellisdb.tql import ast as A
 from trellisdb.tql import plan as P
-from trellisdb.tql.resolve import ENTITY_COLUMNS, LINEAGE_KINDS, MAX_HOPS
+from trellisdb.tql.resolve import ENTITY_COLUMNS, LINEAGE_KINDS, MAX_HOPS, RETRIEVE_COLUMNS
 
 DIALECT = "duckdb"
 
@@ -231,6 +231,42 @@ class Compiler:
             f"WHERE f.hop + b.hop = (SELECT min(f2.hop + b2.hop) FROM {fwd} AS f2 JOIN {bwd} AS b2 ON b2.id = f2.id)"
         ))
 
+    def op_VectorSearch(self, p: P.VectorSearch) -> str:
+        return self.cte(_template("SELECT id, rank, distance, score FROM __seeds"))
+
+    def op_Expand(self, p: P.Expand) -> str:
+        seeds = self.compile(p.input)
+        parts = [f"SELECT id, id AS seed, 0 AS hop, 'seed' AS relation FROM {seeds}"]
+        if p.items:
+            e = self._edges(p.kinds)
+            for direction, hops in p.items:
+                dirs = ("ancestors", "descendants") if direction == "lineage" else (direction,)
+                for d in dirs:
+                    if d == "siblings":
+                        parts.append(
+                            f"SELECT e2.dst AS id, sd.id AS seed, 1 AS hop, 'sibling' AS relation FROM {seeds} AS sd "
+                            f"JOIN {e} AS e1 ON e1.dst = sd.id JOIN {e} AS e2 ON e2.src = e1.src WHERE e2.dst <> sd.id"
+                        )
+                        continue
+                    near, far = ("dst", "src") if d == "ancestors" else ("src", "dst")
+                    name = f"s{len(self.ctes)}"
+                    self.cte(_template(
+                        f"SELECT id, id AS seed, 0 AS hop FROM {seeds} "
+                        f"UNION SELECT e.{far}, w.seed, w.hop + 1 FROM {name} AS w JOIN {e} AS e ON e.{near} = w.id "
+                        f"WHERE w.hop < {int(hops)}"
+                    ), recursive=True)
+                    parts.append(f"SELECT id, seed, hop, '{d[:-1]}' AS relation FROM {name} WHERE hop > 0")
+        union = self.cte(_template(" UNION ALL ".join(parts)))
+        pick = self.cte(_template(
+            f"SELECT u.id, u.relation, u.seed, sd.rank AS seed_rank, u.hop FROM {union} AS u "
+            f"JOIN {seeds} AS sd ON sd.id = u.seed "
+            "QUALIFY row_number() OVER (PARTITION BY u.id ORDER BY u.hop, sd.rank, u.relation) = 1"
+        ))
+        return self.cte(_template(
+            f"SELECT pk.*, x.distance, x.score FROM {pick} AS pk LEFT JOIN {seeds} AS x "
+            "ON x.id = pk.id AND pk.relation = 'seed'"
+        ))
+
     def op_Derive(self, p: P.Derive) -> str:
         if isinstance(p.input, P.Scan):
             src = self.compile(p.input)
@@ -238,13 +274,18 @@ class Compiler:
             entity_cols = ENTITY_COLUMNS[p.input.entity]
             # a scoped scan: aggregate only the edges of its nodes, not of the whole graph
             ids = f" AND {{col}} IN (SELECT id FROM {src})" if p.input.scope is not None else ""
-        else:  # a graph relation (id, hop | shared_parent): attach the node rows
+        else:  # a graph relation (id, hop | shared_parent | RETRIEVE's columns): attach the node rows
             rel = self.compile(p.input)
-            extra = "shared_parent" if isinstance(p.input, P.SiblingsOf) else "hop"
+            if isinstance(p.input, P.Expand):
+                extras = list(RETRIEVE_COLUMNS)
+                entity = p.input.entity
+            else:
+                extras = ["shared_parent" if isinstance(p.input, P.SiblingsOf) else "hop"]
+                entity = "nodes"
             sel = _template(
-                f"SELECT b.*, r.{extra} FROM {rel} AS r JOIN nodes AS b ON b.id = r.id"
+                f"SELECT b.*, {', '.join('r.' + x for x in extras)} FROM {rel} AS r JOIN {entity} AS b ON b.id = r.id"
             )
-            entity_cols = ENTITY_COLUMNS["nodes"] + [extra]
+            entity_cols = ENTITY_COLUMNS[entity] + extras
             ids = f" AND {{col}} IN (SELECT id FROM {rel})"  # only the nodes the walk reached
         self.rewards = reward_column_names(p.channels, entity_cols)
         for i, ch in enumerate(p.channels):

@@ -119,6 +119,46 @@ class ShortestPath(Plan):
 
 
 @dataclass(frozen=True)
+class VectorSearch(Plan):
+    """The seeds of a RETRIEVE: run before the SQL (Lance ANN / full-text search), then read
+    by it as the relation ``__seeds(id, rank, distance, score)``."""
+
+    entity: str
+    space: str
+    k: int
+    similar: str | None  # what the vector is: "text '...'" or "$v (vector)"
+    matching: str | None
+    prefilter: A.Expr | None
+    snapshot: int
+
+    def label(self) -> str:
+        how = []
+        if self.similar is not None:
+            how.append(f"nearest (cosine) in space {self.space!r} to {self.similar}")
+        if self.matching is not None:
+            how.append(f"best keyword (BM25) matches of {self.matching}")
+        fused = " fused by reciprocal rank" if len(how) == 2 else ""
+        pre = f", prefilter {show(self.prefilter)}" if self.prefilter is not None else ""
+        return (f"VectorSearch {self.k} {self.entity}: {' + '.join(how)}{fused}{pre} as of commit {self.snapshot}"
+                "  -- Lance, then relation __seeds")
+
+
+@dataclass(frozen=True)
+class Expand(Plan):
+    """The seeds plus nodes reached from them (relation, seed, seed_rank, hop); one row per node,
+    kept at its nearest seed (fewest hops, then best seed rank)."""
+
+    input: Plan
+    items: tuple[tuple[str, int], ...]  # (ancestors | descendants | siblings | lineage, hops)
+    kinds: tuple[str, ...]
+    entity: str = "nodes"
+
+    def label(self) -> str:
+        steps = ", ".join(d if d == "siblings" else f"{d} {h}" for d, h in self.items) or "seeds only"
+        return f"Expand {steps} via {', '.join(self.kinds)}"
+
+
+@dataclass(frozen=True)
 class Derive(Plan):
     """Adds reward channels and per-node accessors to node rows."""
 
@@ -252,6 +292,22 @@ def build(b: Bound) -> Plan:
             per = "parent" if s.diversity.per == "parent" else "session_id"
             node = TopPerGroup(node, per, _int(s.diversity.k), s.rank)
         node = Sort(node, s.rank)
+        if s.limit is not None:
+            node = Limit(node, _int(s.limit))
+        if s.returning:
+            node = Project(node, s.returning)
+        return node
+    if isinstance(s, A.Retrieve):
+        desc = None
+        if isinstance(s.similar, A.Param):
+            desc = f"${s.similar.name} (a vector)"
+        elif s.similar is not None:
+            desc = f"text {show(s.similar)}"
+        search = VectorSearch(s.entity, s.space or "embedding", _int(s.k), desc,
+                              show(s.matching) if s.matching is not None else None, s.where, snap)
+        items = tuple((e.direction, _int(e.hops)) for e in s.expand)
+        node = Derive(Expand(search, items, s.via, s.entity), b.channels, b.accessors)
+        node = Sort(node, s.rank, ("seed_rank", "hop", "id"))
         if s.limit is not None:
             node = Limit(node, _int(s.limit))
         if s.returning:

@@ -60,8 +60,16 @@ ENTITY_COLUMNS: dict[str, list[str]] = {e: _columns(e) for e in ("nodes", "sessi
 #: The type (see ``types.py``) of every name an expression can use, per entity.
 _DERIVED_TYPES = {"children": "number", "visits": "number", "depth": "number", "age": "number", "parent": "text",
                   "has_children": "bool", "hop": "number", "shared_parent": "text"}
+#: The columns RETRIEVE adds to each row (usable in RANK BY and RETURN).
+RETRIEVE_COLUMNS = {"relation": "text", "seed": "text", "seed_rank": "number", "hop": "number", "distance": "number",
+                    "score": "number"}
+#: Hops an EXPAND step takes when it names no number.
+DEFAULT_EXPAND_HOPS = 2
+#: The most seeds one RETRIEVE may ask for.
+MAX_RETRIEVE = 10_000
 COLUMN_TYPES: dict[str, dict[str, str]] = {
-    e: {f.name: arrow_type(f.type) for f in table_schema(e, 1)} | _DERIVED_TYPES for e in ENTITY_COLUMNS
+    e: {f.name: arrow_type(f.type) for f in table_schema(e, 1)} | _DERIVED_TYPES | RETRIEVE_COLUMNS
+    for e in ENTITY_COLUMNS
 }
 
 
@@ -89,6 +97,8 @@ class Catalog:
     commits: Mapping[int, Mapping[str, Any]]
     last_commit: int
     step_commit: Callable[[str, int], int | None]
+    #: embedding spaces of a target (nodes | tasks): name -> dimension
+    spaces: Callable[[str], dict[str, int]] = lambda target: {"embedding": 0}
 
 
 @dataclass(frozen=True)
@@ -102,6 +112,8 @@ class Bound:
     channels: tuple[str, ...] = ()
     #: derived node values the statement uses (children, visits, parent, depth, age)
     accessors: frozenset[str] = field(default_factory=frozenset)
+    #: RETRIEVE ... SIMILAR TO $v: the query vector (float32)
+    vector: Any = None
 
 
 def _where(span: A.Span) -> str:
@@ -394,6 +406,9 @@ def resolve(q: A.Query, catalog: Catalog, params: Mapping[str, Any] | None = Non
             where=r.condition(s.where, "WHERE"),
             returning=r.returning(s.returning),
         )
+    elif isinstance(s, A.Retrieve):
+        stmt, vector = _retrieve(r, s)
+        return _bound(r, q, stmt, snapshot, vector)
     else:
         r.extra_columns = {"hop"}
         stmt = replace(
@@ -403,12 +418,69 @@ def resolve(q: A.Query, catalog: Catalog, params: Mapping[str, Any] | None = Non
             via=r.via(s.via),
             returning=r.returning(s.returning),
         )
+    return _bound(r, q, stmt, snapshot, None)
+
+
+def _bound(r: Resolver, q: A.Query, stmt: A.Statement, snapshot: int, vector: Any) -> Bound:
     unused = set(r.params) - r.used_params
     if unused:
         raise QueryNameError(
             f"parameter(s) {', '.join('$' + u for u in sorted(unused))} given but not used in the query"
         )
-    return Bound(q, stmt, snapshot, tuple(r.channels), frozenset(r.accessors))
+    return Bound(q, stmt, snapshot, tuple(r.channels), frozenset(r.accessors), vector)
+
+
+def _retrieve(r: Resolver, s: A.Retrieve) -> tuple[A.Retrieve, Any]:
+    import numpy as np
+
+    from trellisdb.errors import EmbeddingDimensionError
+
+    r.entity = s.entity
+    k = r.count(s.k, "RETRIEVE k", minimum=1, maximum=MAX_RETRIEVE)
+    spaces = r.cat.spaces(s.entity)
+    space = s.space or "embedding"
+    if space not in spaces:
+        raise QueryNameError(
+            f"unknown embedding space {space!r} of {s.entity}{did_you_mean(space, spaces)}{known('spaces', spaces)}"
+        )
+    if s.space is not None and s.similar is None:
+        raise QueryError(f"IN {space} names the space of SIMILAR TO; MATCHING searches text, not a space")
+    vector = None
+    similar: A.Value | None = None
+    if isinstance(s.similar, A.Param) and s.similar.name in r.params and not isinstance(
+            r.params[s.similar.name], str):
+        raw = r.params[s.similar.name]
+        r.used_params.add(s.similar.name)
+        try:
+            vector = np.asarray(raw, dtype=np.float32)
+        except (TypeError, ValueError):
+            raise QueryError(f"${s.similar.name} must be a text or a vector of numbers, got {type(raw).__name__}") from None
+        if vector.ndim != 1 or vector.shape[0] != spaces[space]:
+            got = vector.shape[-1] if vector.ndim else 0
+            raise EmbeddingDimensionError(
+                f"${s.similar.name} has dimension {got}, but space {space!r} of {s.entity} has dimension {spaces[space]}"
+            )
+        if not np.isfinite(vector).all():
+            raise QueryError(f"${s.similar.name} contains NaN or infinite values")
+        similar = s.similar
+    elif s.similar is not None:
+        similar = A.Literal(r.text(s.similar, "SIMILAR TO (a text, or a $param holding a vector)"), s.similar.span)
+    matching = A.Literal(r.text(s.matching, "MATCHING"), s.matching.span) if s.matching is not None else None
+    if s.expand and s.entity != "nodes":
+        raise QueryError("EXPAND follows lineage edges between nodes; RETRIEVE ... FROM tasks has no lineage")
+    expand = tuple(
+        A.ExpandItem(e.direction, _lit(r.count(e.hops, f"EXPAND {e.direction.upper()} hops", minimum=0,
+                                               maximum=MAX_HOPS) if e.hops is not None else DEFAULT_EXPAND_HOPS))
+        for e in s.expand
+    )
+    where = r.condition(s.where, "WHERE")  # a prefilter: node columns only, not the RETRIEVE columns
+    r.extra_columns = set(RETRIEVE_COLUMNS)
+    stmt = replace(
+        s, k=A.Literal(k), similar=similar, space=space, matching=matching, where=where, expand=expand,
+        via=r.via(s.via), rank=r.order(s.rank), limit=_lit(r.count(s.limit, "LIMIT")),
+        returning=r.returning(s.returning),
+    )
+    return stmt, vector
 
 
 def _lit(v: int | None) -> A.Literal | None:

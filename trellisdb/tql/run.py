@@ -16,6 +16,7 @@ from trellisdb.tql import ast as A
 from trellisdb.tql.compile import Compiled, compile_plan
 from trellisdb.tql.parser import parse
 from trellisdb.tql.plan import Plan, build
+from trellisdb.tql.retrieve import EMPTY_SEEDS, describe_search, vector_step
 from trellisdb.tql.resolve import LINEAGE_KINDS, Bound, Catalog, resolve
 
 if TYPE_CHECKING:
@@ -27,17 +28,36 @@ if TYPE_CHECKING:
 class QueryResult(Result):
     """The answer to a TQL query: a table, plus its plan, SQL and graph view."""
 
-    def __init__(self, table: pa.Table, db: Database, bound: Bound, plan: Plan, compiled: Compiled) -> None:
+    def __init__(self, table: pa.Table, db: Database, bound: Bound, plan: Plan, compiled: Compiled,
+                 search: str | None = None) -> None:
         super().__init__(table, sql=compiled.sql)
         self.params = compiled.params
         self.plan = plan
         self.snapshot = bound.snapshot
+        #: RETRIEVE: what the vector / keyword step did (strategy, rounds, rows fetched)
+        self.search = search
         self._db = db
         self._bound = bound
 
     def explain(self) -> str:
-        """The logical plan, the SQL and DuckDB's physical plan."""
-        return explain_text(self._db, self.plan, Compiled(self.sql or "", self.params), self.snapshot)
+        """The logical plan, the vector step (RETRIEVE), the SQL and DuckDB's physical plan."""
+        return explain_text(self._db, self._bound, self.plan, Compiled(self.sql or "", self.params), self.search)
+
+    def edges(self) -> pa.Table:
+        """The edges (src, dst, kind) between the result's nodes, as of the query's snapshot."""
+        if "id" not in self.columns or getattr(self._bound.statement, "entity", "nodes") != "nodes":
+            raise QueryError("edges() needs a result of nodes with an id column (e.g. RETRIEVE, LINEAGE, FRONTIER)")
+        ids = pa.table({"id": self._table.column("id").cast(pa.string())})
+        st = self._db._log.refresh()
+        return self._db._engine.run(
+            st, self.snapshot,
+            "SELECT src, dst, kind FROM edges WHERE src IN (SELECT id FROM __ids) AND dst IN (SELECT id FROM __ids) "
+            "ORDER BY src, dst, kind", relations={"__ids": ids}, tables=("edges",),
+        )
+
+    def subgraph(self) -> dict[str, pa.Table]:
+        """The result as tables: ``{"nodes": <the rows>, "edges": <edges between them>}``."""
+        return {"nodes": self._table, "edges": self.edges()}
 
     def to_networkx(self) -> nx.DiGraph:
         """The result's nodes (with their columns as attributes) and the edges between them.
@@ -47,29 +67,13 @@ class QueryResult(Result):
         """
         import networkx as nx
 
-        from trellisdb.errors import QueryError
-
-        if "id" not in self.columns or (isinstance(self._bound.statement, A.Select) and \
-                self._bound.statement.entity != "nodes"):
-            raise QueryError("to_networkx() needs a result of nodes with an id column (e.g. LINEAGE, FRONTIER, NODES)")
+        edges = self.edges()
         g: nx.DiGraph = nx.DiGraph()
-        rows = self.to_pylist()
-        for r in rows:
+        for r in self.to_pylist():
             g.add_node(r["id"], **{k: v for k, v in r.items() if k != "id"})
-        ids = pa.array([r["id"] for r in rows], pa.string())
-        via = getattr(self._bound.statement, "via", ()) or LINEAGE_KINDS
-        st = self._db._log.refresh()
-        con = self._db._engine.prepare(st, self.snapshot)
-        con.register("__ids", pa.table({"id": ids}))
-        try:
-            edges = con.execute(
-                "SELECT src, dst, kind FROM edges WHERE src IN (SELECT id FROM __ids) AND dst IN (SELECT id FROM __ids) "
-                "ORDER BY src, dst, kind"
-            ).fetchall()
-        finally:
-            con.unregister("__ids")
-        for src, dst, kind in edges:
-            if kind in via or kind in LINEAGE_KINDS:
+        via = set(getattr(self._bound.statement, "via", ()) or ()) | set(LINEAGE_KINDS)
+        for src, dst, kind in zip(*(edges.column(c).to_pylist() for c in ("src", "dst", "kind")), strict=True):
+            if kind in via:
                 g.add_edge(src, dst, kind=kind)
         return g
 
@@ -87,6 +91,7 @@ def catalog(db: Database) -> Catalog:
         commits=st.commits,
         last_commit=st.last_committed,
         step_commit=lambda s, k: db._step_commit(s, k),
+        spaces=lambda target: {sp.name: sp.dim for sp in db._spaces.all() if sp.target == target},
     )
 
 
@@ -100,13 +105,18 @@ def prepare(db: Database, text: str, params: Mapping[str, Any]) -> tuple[Bound, 
         raise QueryError("the query nests too deeply to compile; simplify the expression") from None
 
 
-def explain_text(db: Database, plan: Plan, compiled: Compiled, snapshot: int) -> str:
+def explain_text(db: Database, bound: Bound, plan: Plan, compiled: Compiled, search: str | None = None) -> str:
     st = db._log.refresh()
-    physical = db._engine.run(st, snapshot, "EXPLAIN " + compiled.sql, compiled.params)
+    snapshot = bound.snapshot
+    rel = {"__seeds": EMPTY_SEEDS} if isinstance(bound.statement, A.Retrieve) else None
+    physical = db._engine.run(st, snapshot, "EXPLAIN " + compiled.sql, compiled.params, relations=rel)
     duck = "\n".join(str(v) for v in physical.column(physical.num_columns - 1).to_pylist()) if physical.num_rows else ""
     params = ", ".join(f"${k} = {v!r}" for k, v in compiled.params.items()) or "none"
+    step = ""
+    if isinstance(bound.statement, A.Retrieve):
+        step = f"-- vector step (Lance; its rows become the relation __seeds)\n{describe_search(db, bound, search)}\n\n"
     return (
-        f"-- logical plan\n{plan.pretty()}\n\n-- SQL (DuckDB)\n{compiled.sql}\n-- parameters: {params}\n\n"
+        f"-- logical plan\n{plan.pretty()}\n\n{step}-- SQL (DuckDB)\n{compiled.sql}\n-- parameters: {params}\n\n"
         f"-- DuckDB plan\n{duck}"
     )
 
@@ -115,11 +125,16 @@ def run(db: Database, text: str, params: Mapping[str, Any]) -> QueryResult:
     bound, plan, compiled = prepare(db, text, params)
     st = db._log.refresh()
     if bound.query.explain:
-        out = explain_text(db, plan, compiled, bound.snapshot)
+        out = explain_text(db, bound, plan, compiled)
         table = pa.table({"explain": [out]})
         return QueryResult(table, db, bound, plan, compiled)
+    relations = None
+    search = None
+    if isinstance(bound.statement, A.Retrieve):
+        seeds, search = vector_step(db, bound)
+        relations = {"__seeds": seeds}
     try:
-        table = db._engine.run(st, bound.snapshot, compiled.sql, compiled.params)
+        table = db._engine.run(st, bound.snapshot, compiled.sql, compiled.params, relations=relations)
     except QueryError as e:
         if type(e) is not QueryError:
             raise
@@ -130,7 +145,7 @@ def run(db: Database, text: str, params: Mapping[str, Any]) -> QueryResult:
         ) from e
     if table.num_rows == 0:
         _check_seeds(db, bound)
-    return QueryResult(table, db, bound, plan, compiled)
+    return QueryResult(table, db, bound, plan, compiled, search)
 
 
 def _check_seeds(db: Database, bound: Bound) -> None:
