@@ -738,7 +738,7 @@ class Database:
         con = self._engine.prepare(st, st.last_committed, (target,))
         con.register("__have", have)
         try:
-            todo = con.execute(
+            todo = con.sql(
                 f'SELECT id, "{col}" AS t FROM {target} WHERE "{col}" IS NOT NULL AND id NOT IN (SELECT id FROM __have) '
                 "ORDER BY id"
             ).to_arrow_table()

@@ -455,9 +455,13 @@ class IndexMaintainer:
         job = force or needed_job(st.rows, st.indexed_rows, st.partitions, st.has_index)
         if job is None or self.closed:
             return None
-        if job == "create" and not force and space.builtin:  # the table's rows, not all of them vectors
-            if self._open(space.table).count_rows(filter=f"{space.column} IS NOT NULL") < INDEX_MIN_ROWS:
-                return None
+        if (  # the table's rows, not all of them vectors
+            job == "create"
+            and not force
+            and space.builtin
+            and self._open(space.table).count_rows(filter=f"{space.column} IS NOT NULL") < INDEX_MIN_ROWS
+        ):
+            return None
         with self._lock:
             if st.state == "building" and not force:
                 return None
@@ -510,7 +514,7 @@ class IndexMaintainer:
                             ds.optimize.optimize_indices(index_names=[tix["name"]])
                     break
                 except (OSError, RuntimeError, ValueError) as e:  # a commit conflict: try again on a fresh version
-                    if attempt == 4 or "onflict" not in str(e) and "etry" not in str(e):
+                    if attempt == 4 or ("onflict" not in str(e) and "etry" not in str(e)):
                         raise
                     time.sleep(0.2 * (attempt + 1))
             st.builds += 1

@@ -16,8 +16,8 @@ from trellisdb.tql import ast as A
 from trellisdb.tql.compile import Compiled, compile_plan
 from trellisdb.tql.parser import parse
 from trellisdb.tql.plan import Plan, build
-from trellisdb.tql.retrieve import EMPTY_SEEDS, describe_search, vector_step
 from trellisdb.tql.resolve import LINEAGE_KINDS, Bound, Catalog, resolve
+from trellisdb.tql.retrieve import EMPTY_SEEDS, describe_search, vector_step
 
 if TYPE_CHECKING:
     import networkx as nx
