@@ -232,6 +232,8 @@ class GeneratorConfig:
     artifact_names: tuple[str, ...] = ("code", "prompt", "response")
     shared_system_prompt: bool = True
     embedding_dim: int = 384
+    #: 0: embeddings uniform on the sphere; k > 0: around k random centroids (noise 0.35 per dimension-normalized)
+    embedding_clusters: int = 0
     tasks: int = 1
     seed: int = 0
     agent: str = "openevolve"
@@ -464,6 +466,10 @@ class ExperienceGraph:
 
     def _embeddings(self, m: int, rng: np.random.Generator) -> pa.Array:
         v = rng.standard_normal((m, self.dim), dtype=np.float32)
+        k = self.config.embedding_clusters
+        if k:
+            cent = np.random.default_rng(self.config.seed + 7919).standard_normal((k, self.dim), dtype=np.float32)
+            v = cent[rng.integers(0, k, m)] + 0.35 * v
         v /= np.linalg.norm(v, axis=1, keepdims=True) + 1e-12
         return pa.FixedSizeListArray.from_arrays(pa.array(v.ravel(), pa.float32()), self.dim)
 

@@ -477,7 +477,10 @@ class Database:
             self._known_nodes.update(batch.nodes)
             self._known_hashes.update(batch.hashes)
             if self.auto_compact:
+                busy = self._indexer.building()  # compacting these would preempt their index build
                 for name in written:
+                    if name in busy:
+                        continue
                     # best effort: an index build committing at the same moment can make Lance refuse
                     # the rewrite; the next commit compacts instead
                     with contextlib.suppress(OSError, RuntimeError, ValueError):

@@ -3,7 +3,9 @@
 Several sessions evolve programs on one task: each step picks a parent among the
 best nodes so far (a query), writes a child with a code artifact, scores it on
 several reward channels, and sometimes re-scores an older node late. Then it
-prints what it wrote and answers a time-travel question.
+prints what it wrote, answers a time-travel question, and seeds a new session
+from the earlier ones by retrieval: the attempts most similar to its plan (MiniLM
+embeddings, computed offline) with their lineage.
 """
 
 from __future__ import annotations
@@ -11,7 +13,18 @@ from __future__ import annotations
 import random
 
 from trellisdb.cli import format_table
-from trellisdb.database import connect
+from trellisdb.database import Database, connect
+
+IDEAS = (
+    "greedy placement of circles along the border",
+    "hexagonal lattice packing with jitter",
+    "optimize all radii with scipy minimize",
+    "random restarts keeping the best layout",
+    "shrink overlapping circles then grow them again",
+    "place large circles in the corners first",
+    "simulated annealing over circle centers",
+    "grid of equal circles as a starting point",
+)
 
 
 def run_demo(path: str, *, sessions: int = 3, steps: int = 12, seed: int = 7) -> None:
@@ -40,7 +53,7 @@ def run_demo(path: str, *, sessions: int = 3, steps: int = 12, seed: int = 7) ->
                 parent, pscore = max(rng.sample(pool, k=min(2, len(pool))), key=lambda p: p[1])
                 child = s.add_node(
                     parents=[parent],
-                    summary=f"mutation {step} of {parent[-6:]}",
+                    summary=f"{rng.choice(IDEAS)} (mutation {step} of {parent[-6:]})",
                     artifacts={"code": f"def pack():\n    return {rng.random():.6f}\n"},
                     cost={"tokens_in": 900, "tokens_out": 400, "seconds": rng.uniform(1, 4)},
                 )
@@ -84,4 +97,33 @@ def run_demo(path: str, *, sessions: int = 3, steps: int = 12, seed: int = 7) ->
     best = db.query(q).to_pylist()[0]["id"]
     print(f"\nwhere the best program came from:\n  trellis query \"LINEAGE OF '{best}' ANCESTORS RETURN id, hop, summary\"")
     print(format_table(db.query("LINEAGE OF $n ANCESTORS RETURN id, hop, summary", n=best).to_arrow(), "table"))
+    seed_new_session(db, task)
     db.close()
+
+
+def seed_new_session(db: Database, task: str) -> None:
+    """Cross-session reuse: embed the attempts, retrieve the ones like a new plan, start from the best."""
+    from trellisdb.embed import MiniLM, minilm_dir
+    from trellisdb.errors import EmbedderError
+
+    try:
+        minilm_dir()
+    except EmbedderError as e:
+        print(f"\n(skipping retrieval: {e})")
+        return
+    db.create_space("minilm", embedder=MiniLM())
+    n = db.embed("minilm")
+    plan = "pack the circles on a hexagonal lattice"
+    rq = ("RETRIEVE 3 SIMILAR TO $plan IN minilm WHERE reward('combined_score') > 0 EXPAND ANCESTORS 1 "
+          "RETURN id, relation, seed_rank, hop, round(score, 3) AS similarity, reward('combined_score') AS score, "
+          "summary")
+    print(f"\nembedded {n} new attempts into space 'minilm' (all-MiniLM-L6-v2, offline). A new session plans "
+          f"{plan!r};\nthe most similar scored attempts of every earlier session, with their parents:\n"
+          f"  trellis query \"{rq.replace('$plan', repr(plan))}\"")
+    found = db.query(rq, plan=plan)
+    print(format_table(found.to_arrow(), "table"))
+    seeds = [r for r in found.to_pylist() if r["relation"] == "seed"]
+    start = max(seeds, key=lambda r: r["score"])
+    with db.session(task=task, agent="demo-evolver", model="sim-1") as s:
+        root = s.add_node(parents=[start["id"]], edge_kind="retrieved", summary=f"{plan}, starting from {start['id']}")
+    print(f"\nnew session {s.id} starts at node {root}, linked to {start['id']} by a 'retrieved' edge")

@@ -71,6 +71,10 @@ def commits_table(state: LogState, upto: int) -> pa.Table:
 #: the views ``T_full``, ``T_full_history`` add them, read from Lance.
 WIDE: dict[str, tuple[str, ...]] = {"nodes": ("embedding",), "tasks": ("embedding",), "artifacts": ("content",)}
 
+#: Mirror columns with an ART index: lookups of a few ids (RETRIEVE's seeds and
+#: their neighbours) probe the index instead of scanning the column.
+LOOKUP_COLUMNS: dict[str, tuple[str, ...]] = {"nodes": ("id",), "edges": ("src", "dst"), "rewards": ("node_id",)}
+
 
 def _narrow(name: str) -> str:
     wide = WIDE.get(name)
@@ -298,7 +302,14 @@ class SqlEngine:
                 f"SELECT {keys}, commit_id, commit_id AS by_commit FROM __lance_{name} LIMIT 0"
             )
             done = 0
-        if mirrored and not self._mirror_new(con, name, new, done, snapshot, aborted):
+        first = done == 0 and mirrored and not self._indexed(con, name)
+        copied = mirrored and self._mirror_new(con, name, new, done, snapshot, aborted)
+        if first:  # built once over the first copy (cheaper than row by row), then kept up by DuckDB
+            for col in LOOKUP_COLUMNS.get(name, ()):
+                con.execute(f"CREATE INDEX IF NOT EXISTS __ix_{name}_{col} ON __mir_{name}({col})")
+            if name in LOOKUP_COLUMNS:  # the current view's anti-join probes superseded versions by key
+                con.execute(f"CREATE INDEX IF NOT EXISTS __ix_sup_{name} ON __sup_{name}({KEYS[name][0]})")
+        if mirrored and not copied:
             return None  # no new rows: nothing superseded either
         source = f"__mir_{name}" if mirrored else f"__lance_{name}"
         row = con.execute(_superseded_since(name, source, done, snapshot, aborted)).fetchone()
@@ -306,6 +317,11 @@ class SqlEngine:
             return None
         low = con.execute(f"SELECT min(by_commit) FROM __sup_{name} WHERE by_commit > {int(done)}").fetchone()
         return int(low[0]) if low and low[0] is not None else None
+
+    @staticmethod
+    def _indexed(con: duckdb.DuckDBPyConnection, name: str) -> bool:
+        rows = con.execute("SELECT count(*) FROM duckdb_indexes() WHERE table_name = $1", [f"__mir_{name}"]).fetchall()
+        return bool(rows[0][0])
 
     def _mirror_new(
         self, con: duckdb.DuckDBPyConnection, name: str, new: list[Any], done: int, snapshot: int, aborted: list[int]

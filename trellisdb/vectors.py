@@ -54,6 +54,9 @@ UPDATE_FRACTION = 0.05
 RETRAIN_GROWTH = 2.0
 #: A WHERE leaving at most this many candidates is answered exactly among them.
 EXACT_CANDIDATES = 10_000
+#: Candidates re-ranked with the full vectors per result (Lance ``refine_factor``); None: the
+#: scalar-quantized distances are final (recall@10 >= 0.95 on clustered 384-d data, BENCHMARKS.md).
+REFINE_FACTOR: int | None = None
 #: Reciprocal rank fusion constant (Cormack et al. 2009).
 RRF_K = 60
 
@@ -259,6 +262,12 @@ def _best_per_id(t: pa.Table, col: str, descending: bool) -> pa.Table:
     return agg.sort_by([(col, "descending" if descending else "ascending"), ("id", "ascending")])
 
 
+def _fetch(space: Space, k: int) -> int:
+    """Rows to ask Lance for to find ``k`` distinct ids: node rows re-written by a status change
+    repeat their vector in the built-in space; a named space rarely holds two vectors of one id."""
+    return 2 * k + 5 if space.builtin else k + 5
+
+
 def search(
     ds: Any,
     space: Space,
@@ -278,7 +287,7 @@ def search(
     """
     col = space.column
     stats.visible_filter = visible
-    base = _and(visible, f"{col} IS NOT NULL" if space.builtin else None)
+    base = visible  # no "IS NOT NULL" filter: a prefilter scans the column; null vectors have no distance
     total = max(1, ds.count_rows())
     if candidates is not None:
         stats.candidates = len(candidates)
@@ -293,23 +302,27 @@ def search(
     else:
         parts = int(idx.get("num_partitions") or 0) or partitions_for(total)
         nn["nprobes"] = nprobes_for(parts)
-        nn["refine_factor"] = 4
+        if REFINE_FACTOR:
+            nn["refine_factor"] = REFINE_FACTOR
     if exact_among:
         assert candidates is not None
         stats.strategy = f"exact among {len(candidates)} candidates (flat scan, id IN prefilter)"
         flt = _and(base, _in_list(candidates))
-        fetch = 3 * k + 10
+        fetch = _fetch(space, k)
     else:
-        stats.strategy = (f"index {idx.get('type')} (nprobes {nn['nprobes']}, refine x4) + exact over rows added "
+        refine = f", refine x{REFINE_FACTOR}" if REFINE_FACTOR else ""
+        stats.strategy = (f"index {idx.get('type')} (nprobes {nn['nprobes']}{refine}) + exact over rows added "
                           "since its build") if idx is not None else "exact (flat scan; below the index threshold)"
         flt = base
         share = 1.0 if candidates is None else len(candidates) / total
-        fetch = min(total, math.ceil((3 * k + 10) / max(share, 1e-6)))
+        fetch = min(total, math.ceil(_fetch(space, k) / max(share, 1e-6)))
     while True:
         stats.rounds += 1
         got = ds.to_table(nearest={**nn, "k": int(fetch)}, columns=["id", "_distance"], filter=flt, prefilter=True)
         stats.fetched += got.num_rows
         hits = got.rename_columns(["id", "distance"])
+        if hits["distance"].null_count:
+            hits = hits.filter(pc.is_valid(hits["distance"]))
         if candidates is not None and not exact_among:
             hits = hits.filter(pc.is_in(hits["id"], value_set=candidates))
         hits = _best_per_id(hits, "distance", descending=False)
@@ -434,6 +447,14 @@ class IndexMaintainer:
         self._idle.set()
         self.closed = False
 
+    def building(self) -> set[str]:
+        """Tables with an index build in progress: their compaction waits (a rewrite would preempt the build)."""
+        with self._lock:
+            busy = {sp.table for sp, _ in self._queue.values()}
+            busy |= {t for (tg, name), st in self._states.items() if st.state == "building"
+                     for t in [Space(name, tg, 0).table]}
+        return busy
+
     def state(self, space: Space) -> IndexState:
         with self._lock:
             return self._states.setdefault((space.target, space.name), IndexState(space.name, space.target))
@@ -455,12 +476,8 @@ class IndexMaintainer:
         job = force or needed_job(st.rows, st.indexed_rows, st.partitions, st.has_index)
         if job is None or self.closed:
             return None
-        if (  # the table's rows, not all of them vectors
-            job == "create"
-            and not force
-            and space.builtin
-            and self._open(space.table).count_rows(filter=f"{space.column} IS NOT NULL") < INDEX_MIN_ROWS
-        ):
+        if (job == "create" and not force and space.builtin  # the table's rows are not all vectors
+                and self._open(space.table).count_rows(filter=f"{space.column} IS NOT NULL") < INDEX_MIN_ROWS):
             return None
         with self._lock:
             if st.state == "building" and not force:

@@ -16,7 +16,7 @@ from typing import Any
 os.environ.setdefault("LANCE_LOG", "error")  # Lance's k-means and dataset-creation warnings: not the user's business
 os.environ.setdefault("LANCE_INCLUDE_VECTOR_CENTROIDS", "false")  # index statistics without the centroids
 
-import lance
+import lance  # reads the variables above when it loads
 import pyarrow as pa
 
 from trellisdb.errors import CorruptionError

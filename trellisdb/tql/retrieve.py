@@ -151,7 +151,7 @@ def describe_search(db: Database, bound: Bound, done: str | None) -> str:
         if idx is not None:
             st = db._indexer.observe(sp)
             how = (f"index {idx.get('type')} over {st.indexed_rows} of {st.rows} rows (nprobes "
-                   f"{nprobes_for(st.partitions or 1)}, refine x4) + exact scan of the rest")
+                   f"{nprobes_for(st.partitions or 1)}) + exact scan of the rest")
         lines.append(f"space {sp.name!r} of {sp.target}: {sp.dim}-d, model {sp.model or 'caller-supplied'}, "
                      f"table {sp.table}.{sp.column}, cosine distance; {how}")
     if s.matching is not None:
