@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -20,8 +21,12 @@ def test_init_demo_log_sql_tag_compact_verify(tmp_path: Path, capsys: pytest.Cap
     out = capsys.readouterr().out
     assert "best programs AS OF TAG 'after-session-0'" in out
     assert "what to expand next" in out and "where the best program came from" in out
+    assert re.search(r"embedded \d+ new attempts into space .minilm.", out) and "by a 'retrieved' edge" in out
+    # the two evolving sessions, and the one the demo seeds from them by retrieval
     assert main(["--db", db, "sql", "SELECT count(*) AS n FROM sessions", "--format", "json"]) == 0
-    assert json.loads(capsys.readouterr().out) == {"n": 2}
+    assert json.loads(capsys.readouterr().out) == {"n": 3}
+    assert main(["--db", db, "sql", "SELECT count(*) AS n FROM edges WHERE kind = 'retrieved'", "--format", "json"]) == 0
+    assert json.loads(capsys.readouterr().out) == {"n": 1}
     assert main(["--db", db, "sql", "SELECT count(*) AS n FROM sessions", "--as-of", "after-session-0",
                  "--format", "csv"]) == 0
     assert capsys.readouterr().out.splitlines() == ["n", "1"]
