@@ -155,9 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     bare_build = time.perf_counter() - t0
 
     def bare(q: np.ndarray) -> pa.Table:
-        s = tbl.search(q).distance_type("cosine").limit(K).nprobes(nprobes)
-        if vectors.REFINE_FACTOR:
-            s = s.refine_factor(vectors.REFINE_FACTOR)
+        s = tbl.search(q).distance_type("cosine").limit(K).nprobes(nprobes).refine_factor(vectors.REFINE_FACTOR)
         return s.select(["id", "_distance"]).to_arrow()
 
     recall_bare = statistics.mean(len(set(bare(q)["id"].to_pylist()) & t) / K for q, t in zip(qs, truth, strict=True))

@@ -145,6 +145,11 @@ def test_index_recall_and_rows_added_after_the_build(tmp_path: Path) -> None:
         assert "IVF" in (r.search or "")
         hits += len(set(seeds(r)) & set(exact_top(x, ids, q, 10)))
     assert hits / 400 >= 0.95
+    # the distances are exact cosine distances (an IVF_SQ index alone reports twice that)
+    q = x[11] + 0.3 * rng.standard_normal(dim).astype(np.float32)
+    want = np.sort(1 - x @ (q / np.linalg.norm(q)))[:5]
+    got = [row["distance"] for row in db.query("RETRIEVE 5 SIMILAR TO $q IN emb", q=q).to_pylist()]
+    assert got == pytest.approx(want.tolist(), abs=1e-4)
     # a row committed after the build is found at once (searched exactly next to the index)
     with db.session(task="t", agent="a") as s:
         new = s.add_node(summary="late")
@@ -153,6 +158,22 @@ def test_index_recall_and_rows_added_after_the_build(tmp_path: Path) -> None:
     db.flush()
     assert db.index_status()[-1]["indexed_rows"] == n
     assert seeds(db.query("RETRIEVE 1 SIMILAR TO $q IN emb", q=q)) == [new]
+    # indexed and unindexed rows rank on one scale
+    q = x[3] + 0.3 * rng.standard_normal(dim).astype(np.float32)
+    qn = q / np.linalg.norm(q)
+    d = 1 - x @ qn / np.linalg.norm(x, axis=1)
+    d1, d2 = np.sort(d)[:2]
+    target = (d1 + d2) / 2  # between the nearest and the second nearest indexed row
+    u = rng.standard_normal(dim).astype(np.float32)
+    u -= (u @ qn) * qn
+    u /= np.linalg.norm(u)
+    late = (1 - target) * qn + np.sqrt(1 - (1 - target) ** 2) * u
+    with db.session(task="t", agent="a") as s:
+        new2 = s.add_node(summary="late, second nearest")
+    db.add_vectors("emb", [new2], late[None, :].astype(np.float32))
+    r = db.query("RETRIEVE 3 SIMILAR TO $q IN emb", q=q).to_pylist()
+    assert [row["id"] for row in r][:2] == [ids[int(np.argmin(d))], new2]
+    assert [row["distance"] for row in r][:2] == pytest.approx([d1, target], abs=1e-4)
     db.close()
 
 

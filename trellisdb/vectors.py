@@ -54,9 +54,11 @@ UPDATE_FRACTION = 0.05
 RETRAIN_GROWTH = 2.0
 #: A WHERE leaving at most this many candidates is answered exactly among them.
 EXACT_CANDIDATES = 10_000
-#: Candidates re-ranked with the full vectors per result (Lance ``refine_factor``); None: the
-#: scalar-quantized distances are final (recall@10 >= 0.95 on clustered 384-d data, BENCHMARKS.md).
-REFINE_FACTOR: int | None = None
+#: Index candidates re-ranked on the full vectors per result (Lance ``refine_factor``). At least
+#: 1: without a refine step an IVF_SQ cosine index reports 2 x the cosine distance (the squared
+#: L2 of normalized vectors), so RETRIEVE's distance and score would be wrong (measured on
+#: pylance 14; tests/test_retrieve.py checks the distances are exact).
+REFINE_FACTOR: int = 1
 #: Reciprocal rank fusion constant (Cormack et al. 2009).
 RRF_K = 60
 
@@ -302,15 +304,14 @@ def search(
     else:
         parts = int(idx.get("num_partitions") or 0) or partitions_for(total)
         nn["nprobes"] = nprobes_for(parts)
-        if REFINE_FACTOR:
-            nn["refine_factor"] = REFINE_FACTOR
+        nn["refine_factor"] = REFINE_FACTOR
     if exact_among:
         assert candidates is not None
         stats.strategy = f"exact among {len(candidates)} candidates (flat scan, id IN prefilter)"
         flt = _and(base, _in_list(candidates))
         fetch = _fetch(space, k)
     else:
-        refine = f", refine x{REFINE_FACTOR}" if REFINE_FACTOR else ""
+        refine = f", exact re-rank of {REFINE_FACTOR}x k"
         stats.strategy = (f"index {idx.get('type')} (nprobes {nn['nprobes']}{refine}) + exact over rows added "
                           "since its build") if idx is not None else "exact (flat scan; below the index threshold)"
         flt = base
