@@ -1,0 +1,58 @@
+"""The README's cross-session reuse example runs as written, on a store with earlier sessions."""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+import pytest
+
+import trellisdb
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+def example(title: str) -> str:
+    text = README.read_text()
+    section = text.split(f"## {title}", 1)[1]
+    m = re.search(r"```python\n(.*?)```", section, re.S)
+    assert m, f"no python block under {title!r}"
+    return m.group(1)
+
+
+def test_cross_session_reuse_example(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    db = trellisdb.connect("runs.db")
+    db.add_task("circle-packing", name="pack circles")
+    ideas = ["hexagonal lattice packing with jitter", "greedy placement along the border",
+             "random restarts keeping the best layout", "hexagonal grid then grow the radii"]
+    earlier = {}
+    for si in range(2):
+        with db.session(task="circle-packing", agent="openevolve") as s:
+            parent = None
+            for i, idea in enumerate(ideas):
+                node = s.add_node(parents=[parent] if parent else [], summary=f"{idea} (v{si})")
+                s.add_reward(node, "combined_score", 0.3 + 0.2 * i)
+                earlier[node] = idea
+                parent = node
+    db.close()
+    scope: dict[str, object] = {}
+    exec(compile(example("Cross-session reuse: retrieve similar past attempts with their lineage"),
+                 "README.md", "exec"), scope)
+    found = scope["found"]
+    assert isinstance(found, trellisdb.QueryResult)
+    rows = found.to_pylist()
+    seeds = [r for r in rows if r["relation"] == "seed"]
+    assert seeds and all(r["id"] in earlier for r in seeds)
+    nearest = next(r for r in seeds if r["seed_rank"] == 1)
+    assert "hexagonal" in earlier[nearest["id"]]  # the closest attempt in meaning
+    assert {r["relation"] for r in rows} >= {"seed", "ancestor"}
+    db2 = trellisdb.connect("runs.db")
+    try:
+        got = db2.sql("SELECT count(*) AS n FROM edges WHERE kind = 'retrieved'").to_pylist()
+        assert got == [{"n": 1}]
+    finally:
+        db2.close()
+    scope["db"].close()  # type: ignore[attr-defined]
+    assert os.path.isdir("runs.db")
