@@ -322,3 +322,27 @@ def test_text_queries_and_lazy_embedding_with_the_default_embedder(tmp_path: Pat
     db = trellisdb.connect(tmp_path / "db")  # a new process knows the space's model and finds the embedder itself
     assert db.query("RETRIEVE 1 SIMILAR TO 'sorting algorithms' IN minilm").to_pylist()[0]["id"] == "p2"
     db.close()
+
+
+def test_deep_walks_and_large_frontiers(small, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+    db, x, ids = small  # two chains: n(i) -> n(i+2)
+    from trellisdb.tql import retrieve
+
+    q = x[100]
+    seed = exact_top(x, ids, q, 1)[0]
+    i = int(seed[1:])
+    want = {f"n{i - 2 * h}": h for h in range(1, 13) if i - 2 * h >= 0} | {seed: 0}
+    spelled = db.query("RETRIEVE 1 SIMILAR TO $q EXPAND ANCESTORS 12 RETURN id, hop", q=q).to_pylist()
+    assert {r["id"]: r["hop"] for r in spelled} == want
+    monkeypatch.setattr(retrieve, "LITERAL_IDS", 0)  # every frontier joined as a relation instead
+    monkeypatch.setattr(retrieve, "LITERAL_MIN", 0)
+    joined = db.query("RETRIEVE 1 SIMILAR TO $q EXPAND ANCESTORS 12 RETURN id, hop", q=q).to_pylist()
+    assert joined == spelled
+    # the walk reads edges as of the snapshot: an edge committed later is not followed
+    before = db.log()[-1]["id"]
+    with db.session(task="t", agent="a") as s:
+        late = s.add_node(parents=[seed], summary="a later child")
+    db.flush()
+    rq = "RETRIEVE 1 SIMILAR TO $q EXPAND DESCENDANTS 1 RETURN id"
+    assert late in {r["id"] for r in db.query(rq, q=q).to_pylist()}
+    assert late not in {r["id"] for r in db.query(f"{rq} AS OF COMMIT {before}", q=q).to_pylist()}

@@ -34,9 +34,6 @@ from trellisdb.tql.resolve import ENTITY_COLUMNS, LINEAGE_KINDS, MAX_HOPS, RETRI
 
 DIALECT = "duckdb"
 
-#: EXPAND walks up to this many hops are unrolled into one join per hop.
-UNROLL_HOPS = 8
-
 _BINARY: dict[str, type[exp.Expr]] = {
     "+": exp.Add, "-": exp.Sub, "*": exp.Mul, "/": exp.Div, "%": exp.Mod,
     "=": exp.EQ, "!=": exp.NEQ, "<": exp.LT, "<=": exp.LTE, ">": exp.GT, ">=": exp.GTE,
@@ -238,44 +235,15 @@ class Compiler:
         return self.cte(_template("SELECT id, rank, distance, score FROM __seeds"))
 
     def op_Expand(self, p: P.Expand) -> str:
-        """Seeds plus their neighbourhood. Short walks are unrolled, one join per hop against the
-        edges view, so each hop probes the mirror's ART index on src/dst with the few ids it has
-        (a recursive CTE would hash the whole edge table); long walks recurse."""
+        """Seeds plus their neighbourhood: the walk (``__walk``, computed before the SQL one
+        hop level at a time, see ``tql/retrieve.py``), one row per node at its nearest seed."""
         seeds = self.compile(p.input)
         if not p.items:  # seeds only: no walk, no pick
             return self.cte(_template(
                 f"SELECT id, 'seed' AS relation, id AS seed, rank AS seed_rank, 0 AS hop, distance, score FROM {seeds}"
             ))
-        kinds = ", ".join(f"'{k}'" for k in p.kinds)  # resolved names (EDGE_KINDS), not user text
-        parts = [f"SELECT id, id AS seed, 0 AS hop, 'seed' AS relation FROM {seeds}"]
-        for direction, hops in p.items:
-            dirs = ("ancestors", "descendants") if direction == "lineage" else (direction,)
-            for d in dirs:
-                if d == "siblings":
-                    parts.append(
-                        f"SELECT e2.dst AS id, sd.id AS seed, 1 AS hop, 'sibling' AS relation FROM {seeds} AS sd "
-                        f"JOIN edges AS e1 ON e1.dst = sd.id JOIN edges AS e2 ON e2.src = e1.src "
-                        f"WHERE e1.kind IN ({kinds}) AND e2.kind IN ({kinds}) AND e2.dst <> sd.id"
-                    )
-                    continue
-                near, far = ("dst", "src") if d == "ancestors" else ("src", "dst")
-                rel = d[:-1]
-                if hops <= UNROLL_HOPS:
-                    prev = self.cte(_template(f"SELECT id, id AS seed FROM {seeds}"))
-                    for h in range(1, hops + 1):
-                        prev = self.cte(_template(
-                            f"SELECT DISTINCT e.{far} AS id, w.seed, {h} AS hop FROM {prev} AS w "
-                            f"JOIN edges AS e ON e.{near} = w.id WHERE e.kind IN ({kinds})"
-                        ))
-                        parts.append(f"SELECT id, seed, hop, '{rel}' AS relation FROM {prev}")
-                else:
-                    name = f"s{len(self.ctes)}"
-                    self.cte(_template(
-                        f"SELECT id, id AS seed, 0 AS hop FROM {seeds} "
-                        f"UNION SELECT e.{far}, w.seed, w.hop + 1 FROM {name} AS w JOIN edges AS e ON e.{near} = w.id "
-                        f"WHERE w.hop < {int(hops)} AND e.kind IN ({kinds})"
-                    ), recursive=True)
-                    parts.append(f"SELECT id, seed, hop, '{rel}' AS relation FROM {name} WHERE hop > 0")
+        parts = [f"SELECT id, id AS seed, 0 AS hop, 'seed' AS relation FROM {seeds}",
+                 "SELECT id, seed, hop, relation FROM __walk"]
         union = self.cte(_template(" UNION ALL ".join(parts)))
         pick = self.cte(_template(
             f"SELECT u.id, u.relation, u.seed, sd.rank AS seed_rank, u.hop FROM {union} AS u "
