@@ -204,8 +204,13 @@ def _and(*parts: str | None) -> str | None:
     return " AND ".join(ps) or None
 
 
+def sql_strings(ids: pa.Array) -> str:
+    """``ids`` as a comma-separated list of quoted SQL string constants."""
+    return ", ".join("'" + str(i).replace("'", "''") + "'" for i in ids.to_pylist())
+
+
 def _in_list(ids: pa.Array) -> str:
-    return "id IN (" + ", ".join("'" + str(i).replace("'", "''") + "'" for i in ids.to_pylist()) + ")"
+    return f"id IN ({sql_strings(ids)})"
 
 
 def _indexes(ds: Any, column: str) -> list[dict[str, Any]]:

@@ -8,8 +8,8 @@ rank, distance, score)`` -- are handed to the SQL plan as the relation
 level whatever the number of directions, with the frontier's ids spelled as
 constants while it is small, so each hop is a few point lookups in the
 mirror's ART indexes on ``edges.src`` / ``dst`` rather than a scan of the
-whole edge table (a join); its rows become ``__walk``. Rewards, ranking and the node rows are
-the SQL plan's.
+whole edge table (a join); its rows become ``__walk``. Rewards, ranking
+and the node rows are the SQL plan's.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from trellisdb.vectors import (
     nprobes_for,
     rrf,
     search,
+    sql_strings,
     text_index,
     vector_index,
     visibility,
@@ -192,10 +193,6 @@ def _walks(items: tuple[tuple[str, int], ...]) -> list[tuple[str, list[tuple[str
     return out
 
 
-def _id_list(ids: pa.Array) -> str:
-    return ", ".join("'" + str(i).replace("'", "''") + "'" for i in ids.to_pylist())
-
-
 def walk(db: Database, plan: P.Plan, snapshot: int, seeds: pa.Table) -> pa.Table:
     """The nodes an ``EXPAND`` reaches from ``seeds``: ``(id, seed, hop, relation)``, each
     (id, seed) at the fewest hops (breadth first); the SQL plan keeps one row per id."""
@@ -222,7 +219,7 @@ def walk(db: Database, plan: P.Plan, snapshot: int, seeds: pa.Table) -> pa.Table
             near, far = walks[i][1][level]
             ids = pc.unique(frontier[i]["id"].combine_chunks())
             if len(ids) <= spell:
-                cond = f"e.{near} IN ({_id_list(ids)})"
+                cond = f"e.{near} IN ({sql_strings(ids)})"
             else:
                 rels[f"__frontier{i}"] = pa.table({"id": ids})
                 cond = f"e.{near} IN (SELECT id FROM __frontier{i})"
