@@ -103,8 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     # status changes re-write 10% of the node rows (their vectors too): superseded versions, as in a live store
     sample = ids[0].to_pylist()[:: 10] if len(ids) == 1 else pa.concat_arrays(ids).to_pylist()[::10]
     with db.transaction(message="statuses"):
-        for i in sample:
-            db._set_status(i, "expanded")
+        db._set_status(sample, "expanded")
     db.compact()
     all_ids = pa.concat_arrays(ids)
     x = np.concatenate(mats)

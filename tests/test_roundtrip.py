@@ -9,6 +9,7 @@ import re
 from pathlib import Path
 
 import pyarrow as pa
+import pytest
 
 import trellisdb
 
@@ -195,6 +196,29 @@ def test_status_change_after_commit_is_a_new_row(db: trellisdb.Database) -> None
         {"status": "evaluated", "summary": "x", "usd": 2.0, "embedding": [1.0, 2.0, 3.0, 4.0], "commit_id": second},
     ]
     assert rows(db, "SELECT id, status FROM nodes") == [{"id": "n", "status": "evaluated"}]
+
+
+def test_status_of_many_nodes_at_once_is_all_or_nothing(db: trellisdb.Database) -> None:
+    s = db.session(task="t", agent="a", id="s")
+    for i in range(4):
+        s.add_node(id=f"n{i}", summary=f"x{i}", embedding=[1, 2, 3, i])
+    db.flush()
+    s.add_node(id="p", summary="pending")  # still in the group batch: changed in place
+    with pytest.raises(trellisdb.UnknownNodeError, match="ghost"):
+        s.set_status(["n0", "ghost", "n1"], "expanded")
+    s.set_status(["n0", "n2", "p", "n0"], "expanded")
+    db.flush()
+    assert rows(db, "SELECT id, status, summary FROM nodes ORDER BY id") == [
+        {"id": "n0", "status": "expanded", "summary": "x0"},
+        {"id": "n1", "status": "pending", "summary": "x1"},
+        {"id": "n2", "status": "expanded", "summary": "x2"},
+        {"id": "n3", "status": "pending", "summary": "x3"},
+        {"id": "p", "status": "expanded", "summary": "pending"},
+    ]
+    # one new row per changed committed node (its vector carried over), none for the failed call
+    assert rows(db, "SELECT id, count(*) AS c, list(embedding[4]) AS e FROM nodes_full_history "
+                    "GROUP BY id HAVING c > 1 ORDER BY id") == [
+        {"id": "n0", "c": 2, "e": [0.0, 0.0]}, {"id": "n2", "c": 2, "e": [2.0, 2.0]}]
 
 
 def test_rescore_in_same_commit_latest_wins(db: trellisdb.Database) -> None:

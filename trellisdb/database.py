@@ -336,19 +336,26 @@ class Database:
                 b.sessions[session_id] = row
             row["status"] = status
 
-    def _set_status(self, node_id: str, status: str, session_id: str | None = None) -> None:
+    def _set_status(self, node_ids: str | Sequence[str], status: str, session_id: str | None = None) -> None:
+        """New rows for the nodes with ``status``; committed rows are looked up in one query."""
+        ids = [node_ids] if isinstance(node_ids, str) else list(dict.fromkeys(node_ids))
         with self._sink() as b:
             b.session_id = session_id or b.session_id
-            row = b.nodes.get(node_id)
-            if row is None:
-                cur = self._node_row(node_id)
-                if cur is None:
-                    raise UnknownNodeError(f"set_status: node {node_id!r} does not exist")
-                row = dict(cur)
-                row["created_at"] = dt.datetime.now(dt.UTC)
-                b.rows["nodes"].append(row)
-                b.nodes[node_id] = row
-            row["status"] = status
+            found = self._node_rows([i for i in ids if i not in b.nodes])
+            missing = [i for i in ids if i not in b.nodes and i not in found]
+            if missing:  # before any row changes: all or nothing
+                raise UnknownNodeError(
+                    f"set_status: node(s) {missing[:5]!r} do not exist" + (f" ({len(missing)} in all)" if len(missing) > 5 else "")
+                )
+            now = dt.datetime.now(dt.UTC)
+            for node_id in ids:
+                row = b.nodes.get(node_id)
+                if row is None:
+                    row = dict(found[node_id])
+                    row["created_at"] = now
+                    b.rows["nodes"].append(row)
+                    b.nodes[node_id] = row
+                row["status"] = status
 
     def in_transaction(self) -> bool:
         return getattr(self._tx, "batch", None) is not None
@@ -909,15 +916,33 @@ class Database:
 
     def _node_row(self, node_id: str) -> dict[str, Any] | None:
         """The latest row of a node (pending or committed), or None."""
+        return self._node_rows([node_id]).get(node_id)
+
+    def _node_rows(self, ids: Sequence[str]) -> dict[str, dict[str, Any]]:
+        """The latest row of each node (pending or committed) by id; unknown ids are absent."""
+        out: dict[str, dict[str, Any]] = {}
         with self._state_lock:
             for b in (getattr(self._tx, "batch", None), self._pending):
-                if b is not None and node_id in b.nodes:
-                    return b.nodes[node_id]
-            rows = self._lookup(
-                "SELECT * EXCLUDE (commit_id) FROM nodes_full_history WHERE id = $1 ORDER BY commit_id DESC LIMIT 1",
-                [node_id],
-            )
-            return rows[0] if rows else None
+                if b is not None:
+                    out.update((i, b.nodes[i]) for i in ids if i in b.nodes and i not in out)
+            todo = [i for i in ids if i not in out]
+            if len(todo) == 1:
+                rows = self._lookup(
+                    "SELECT * EXCLUDE (commit_id) FROM nodes_full_history WHERE id = $1 "
+                    "ORDER BY commit_id DESC LIMIT 1",
+                    todo,
+                )
+            elif todo:
+                rows = self._lookup(
+                    "SELECT * EXCLUDE (commit_id) FROM nodes_full_history "
+                    "WHERE id IN (SELECT unnest($1::VARCHAR[])) "
+                    "QUALIFY row_number() OVER (PARTITION BY id ORDER BY commit_id DESC) = 1",
+                    [todo],
+                )
+            else:
+                rows = []
+            out.update((r["id"], r) for r in rows)
+        return out
 
     def _node_original(self, node_id: str, edge_kind: str) -> tuple[dict[str, Any], set[str]] | None:
         """The first row written for a node and its ``edge_kind`` parents from

@@ -362,9 +362,16 @@ class SessionWriter:
             )
         return cid
 
-    def set_status(self, node_id: str, status: str) -> None:
-        """Change a node's status (a new row; history keeps the old one)."""
+    def set_status(self, node_id: str | Sequence[str], status: str) -> None:
+        """Change the status of a node, or of many at once (new rows; history keeps the old ones).
+
+        Many ids are looked up in one query; an unknown id changes nothing:
+
+        >>> s.set_status([a, b], "expanded")  # doctest: +SKIP
+        """
         _check_str(status, "status", optional=False)
+        if not isinstance(node_id, str) and not all(isinstance(i, str) for i in node_id):
+            raise ValidationError("set_status: node ids must be strings")
         self._db._set_status(node_id, status, self.id)
 
 
