@@ -262,7 +262,7 @@ def test_explain_shows_the_vector_step_and_the_duckdb_plan(small) -> None:  # ty
     text = db.query("EXPLAIN RETRIEVE 3 SIMILAR TO $q WHERE kind = 'step' EXPAND ANCESTORS 2", q=x[0]).to_pylist()[0]
     e = text["explain"]
     assert "VectorSearch 3 nodes" in e and "-- vector step" in e and "prefilter (DuckDB, before top-k)" in e
-    assert "FROM __seeds" in e and "ARROW_SCAN" in e.upper()  # the seeds are a relation in DuckDB's plan
+    assert "FROM __found" in e and "ARROW_SCAN" in e.upper()  # seeds and walk are a relation in DuckDB's plan
     r = db.query("RETRIEVE 3 SIMILAR TO $q EXPAND ANCESTORS 2", q=x[0])
     assert "executed: vector: exact" in r.explain()
 
@@ -324,25 +324,47 @@ def test_text_queries_and_lazy_embedding_with_the_default_embedder(tmp_path: Pat
     db.close()
 
 
-def test_deep_walks_and_large_frontiers(small, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+def test_deep_walks_and_walks_after_later_commits(small) -> None:  # type: ignore[no-untyped-def]
     db, x, ids = small  # two chains: n(i) -> n(i+2)
-    from trellisdb.tql import retrieve
-
     q = x[100]
     seed = exact_top(x, ids, q, 1)[0]
     i = int(seed[1:])
     want = {f"n{i - 2 * h}": h for h in range(1, 13) if i - 2 * h >= 0} | {seed: 0}
-    spelled = db.query("RETRIEVE 1 SIMILAR TO $q EXPAND ANCESTORS 12 RETURN id, hop", q=q).to_pylist()
-    assert {r["id"]: r["hop"] for r in spelled} == want
-    monkeypatch.setattr(retrieve, "LITERAL_IDS", 0)  # every frontier joined as a relation instead
-    monkeypatch.setattr(retrieve, "LITERAL_MIN", 0)
-    joined = db.query("RETRIEVE 1 SIMILAR TO $q EXPAND ANCESTORS 12 RETURN id, hop", q=q).to_pylist()
-    assert joined == spelled
-    # the walk reads edges as of the snapshot: an edge committed later is not followed
+    got = db.query("RETRIEVE 1 SIMILAR TO $q EXPAND ANCESTORS 12 RETURN id, hop", q=q).to_pylist()
+    assert {r["id"]: r["hop"] for r in got} == want
+    # the adjacency built by that walk is extended by later commits; the walk reads edges as
+    # of the snapshot: an edge committed later is not followed AS OF before it
     before = db.log()[-1]["id"]
     with db.session(task="t", agent="a") as s:
         late = s.add_node(parents=[seed], summary="a later child")
+        later = s.add_node(parents=[late], summary="and its child")
     db.flush()
-    rq = "RETRIEVE 1 SIMILAR TO $q EXPAND DESCENDANTS 1 RETURN id"
-    assert late in {r["id"] for r in db.query(rq, q=q).to_pylist()}
-    assert late not in {r["id"] for r in db.query(f"{rq} AS OF COMMIT {before}", q=q).to_pylist()}
+    rq = "RETRIEVE 1 SIMILAR TO $q EXPAND DESCENDANTS 2 RETURN id, hop"
+    now = {r["id"]: r["hop"] for r in db.query(rq, q=q).to_pylist()}
+    assert now[late] == 1 and now[later] == 2
+    assert not {late, later} & {r["id"] for r in db.query(f"{rq} AS OF COMMIT {before}", q=q).to_pylist()}
+
+
+def test_the_adjacency_follows_commits_and_matches_a_fresh_build(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from trellisdb import graph
+
+    monkeypatch.setattr(graph, "MERGE_MIN", 3)  # the delta is merged into the base every few commits
+    monkeypatch.setattr(graph, "MERGE_SHARE", 1)
+    x = clustered(200, 16, 4)
+    db = trellisdb.connect(tmp_path / "db", embedding_dim=16)
+    ids = ingest_nodes(db, x, len(x))
+    rq = "RETRIEVE 5 SIMILAR TO $q EXPAND LINEAGE 3, SIBLINGS RETURN id, relation, seed, hop"
+    q = x[7]
+    db.query(rq, q=q)  # builds the adjacency
+    rng = np.random.default_rng(2)
+    with db.session(task="t", agent="a") as s:
+        for i in range(12):  # a commit per new node, parents anywhere (multi-parent, crossover)
+            parents = [ids[j] for j in rng.choice(len(ids), int(rng.integers(1, 3)), replace=False)]
+            ids.append(s.add_node(parents=parents, summary=f"late {i}", embedding=x[7] + 0.01 * i))
+            db.flush()
+            got = db.query(rq, q=q).to_pylist()
+    fresh = trellisdb.connect(tmp_path / "db")
+    assert fresh.query(rq, q=q).to_pylist() == got
+    assert any(not r["id"].startswith("n") for r in got)  # the late nodes are reached
+    fresh.close()
+    db.close()

@@ -27,6 +27,7 @@ import duckdb
 import pyarrow as pa
 
 from trellisdb.errors import CorruptionError, QueryError
+from trellisdb.graph import Adjacency
 from trellisdb.schema import COMMITS_SCHEMA, DATA_TABLES, KEYS
 from trellisdb.storage.log import LogState
 from trellisdb.storage.tables import LanceTables
@@ -71,9 +72,10 @@ def commits_table(state: LogState, upto: int) -> pa.Table:
 #: the views ``T_full``, ``T_full_history`` add them, read from Lance.
 WIDE: dict[str, tuple[str, ...]] = {"nodes": ("embedding",), "tasks": ("embedding",), "artifacts": ("content",)}
 
-#: Mirror columns with an ART index: lookups of a few ids (RETRIEVE's seeds and
-#: their neighbours) probe the index instead of scanning the column.
-LOOKUP_COLUMNS: dict[str, tuple[str, ...]] = {"nodes": ("id",), "edges": ("src", "dst"), "rewards": ("node_id",)}
+#: Mirror columns with an ART index: a filter on a constant or parameter key (the
+#: write path's existence and retry checks, ``WHERE id = $n``) probes the index
+#: instead of scanning the column. DuckDB does not use them for joins.
+LOOKUP_COLUMNS: dict[str, tuple[str, ...]] = {"nodes": ("id",), "edges": ("dst",), "rewards": ("node_id",)}
 
 
 def _narrow(name: str) -> str:
@@ -149,6 +151,9 @@ class SqlEngine:
         self._mark: dict[str, int] = {}
         #: per table: the first commit that superseded a version (absent: none yet)
         self._sup_min: dict[str, int] = {}
+        #: the edges as adjacency arrays (built by the first walk) and the lock its extension holds
+        self._adj: Adjacency | None = None
+        self._adj_lock = threading.Lock()
 
     def _con(self) -> duckdb.DuckDBPyConnection:
         con = getattr(self._local, "con", None)
@@ -207,6 +212,23 @@ class SqlEngine:
             con.execute(f"CREATE OR REPLACE TEMP VIEW commits AS SELECT * FROM __commits WHERE id <= {SNAPSHOT}")
             self._local.commits_key = (len(state.commits), len(state.tags))
         return con
+
+    def adjacency(self, state: LogState) -> Adjacency:
+        """The committed edges as of ``state`` as adjacency arrays (``trellisdb/graph.py``):
+        built on first use, then extended by the edge rows of the commits since."""
+        with self._adj_lock:
+            adj = self._adj
+            last = state.last_committed
+            if adj is not None and adj.upto >= last:
+                return adj
+            since = -1 if adj is None else adj.upto
+            rows = self.run(
+                state, last, f"SELECT src, dst, kind, commit_id FROM edges_history WHERE commit_id > {int(since)}",
+                tables=("edges",),
+            )
+            adj = Adjacency.build(rows, last) if adj is None else adj.extended(rows, last)
+            self._adj = adj
+            return adj
 
     def _refresh(
         self, con: duckdb.DuckDBPyConnection, snapshot: int, aborted: list[int], top: int,

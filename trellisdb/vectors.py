@@ -324,7 +324,8 @@ def search(
         fetch = min(total, math.ceil(_fetch(space, k) / max(share, 1e-6)))
     while True:
         stats.rounds += 1
-        got = ds.to_table(nearest={**nn, "k": int(fetch)}, columns=["id", "_distance"], filter=flt, prefilter=True)
+        got = ds.to_table(nearest={**nn, "k": int(fetch)}, columns=["id", "_distance"], filter=flt,
+                          prefilter=flt is not None)  # prefilter without a filter costs ~4 ms here
         stats.fetched += got.num_rows
         hits = got.rename_columns(["id", "distance"])
         if hits["distance"].null_count:

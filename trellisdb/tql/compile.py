@@ -28,6 +28,7 @@ import sqlglot
 from sqlglot import exp
 
 from trellisdb.errors import QueryError
+from trellisdb.graph import FOUND_SCHEMA
 from trellisdb.tql import ast as A
 from trellisdb.tql import plan as P
 from trellisdb.tql.resolve import ENTITY_COLUMNS, LINEAGE_KINDS, MAX_HOPS, RETRIEVE_COLUMNS
@@ -231,29 +232,14 @@ class Compiler:
             f"WHERE f.hop + b.hop = (SELECT min(f2.hop + b2.hop) FROM {fwd} AS f2 JOIN {bwd} AS b2 ON b2.id = f2.id)"
         ))
 
-    def op_VectorSearch(self, p: P.VectorSearch) -> str:
-        return self.cte(_template("SELECT id, rank, distance, score FROM __seeds"))
+    def op_VectorSearch(self, p: P.VectorSearch) -> str:  # pragma: no cover - read through op_Expand
+        raise QueryError("a vector search is compiled as part of its Expand")
 
     def op_Expand(self, p: P.Expand) -> str:
-        """Seeds plus their neighbourhood: the walk (``__walk``, computed before the SQL one
-        hop level at a time, see ``tql/retrieve.py``), one row per node at its nearest seed."""
-        seeds = self.compile(p.input)
-        if not p.items:  # seeds only: no walk, no pick
-            return self.cte(_template(
-                f"SELECT id, 'seed' AS relation, id AS seed, rank AS seed_rank, 0 AS hop, distance, score FROM {seeds}"
-            ))
-        parts = [f"SELECT id, id AS seed, 0 AS hop, 'seed' AS relation FROM {seeds}",
-                 "SELECT id, seed, hop, relation FROM __walk"]
-        union = self.cte(_template(" UNION ALL ".join(parts)))
-        pick = self.cte(_template(
-            f"SELECT u.id, u.relation, u.seed, sd.rank AS seed_rank, u.hop FROM {union} AS u "
-            f"JOIN {seeds} AS sd ON sd.id = u.seed "
-            "QUALIFY row_number() OVER (PARTITION BY u.id ORDER BY u.hop, sd.rank, u.relation) = 1"
-        ))
-        return self.cte(_template(
-            f"SELECT pk.*, x.distance, x.score FROM {pick} AS pk LEFT JOIN {seeds} AS x "
-            "ON x.id = pk.id AND pk.relation = 'seed'"
-        ))
+        """Seeds plus their neighbourhood, one row per node at its nearest seed: computed before
+        the SQL (the vector step, then the walk over the in-memory adjacency, see
+        ``tql/retrieve.py``) and read as the relation ``__found``."""
+        return self.cte(_template(f"SELECT {', '.join(FOUND_SCHEMA.names)} FROM __found"))
 
     def op_Derive(self, p: P.Derive) -> str:
         if isinstance(p.input, P.Scan):

@@ -120,8 +120,8 @@ class ShortestPath(Plan):
 
 @dataclass(frozen=True)
 class VectorSearch(Plan):
-    """The seeds of a RETRIEVE: run before the SQL (Lance ANN / full-text search), then read
-    by it as the relation ``__seeds(id, rank, distance, score)``."""
+    """The seeds of a RETRIEVE: run before the SQL (Lance ANN / full-text search); they and
+    what an Expand reaches from them are read by the SQL as the relation ``__found``."""
 
     entity: str
     space: str
@@ -140,13 +140,14 @@ class VectorSearch(Plan):
         fused = " fused by reciprocal rank" if len(how) == 2 else ""
         pre = f", prefilter {show(self.prefilter)}" if self.prefilter is not None else ""
         return (f"VectorSearch {self.k} {self.entity}: {' + '.join(how)}{fused}{pre} as of commit {self.snapshot}"
-                "  -- Lance, then relation __seeds")
+                "  -- Lance, before the SQL")
 
 
 @dataclass(frozen=True)
 class Expand(Plan):
     """The seeds plus nodes reached from them (relation, seed, seed_rank, hop); one row per node,
-    kept at its nearest seed (fewest hops, then best seed rank)."""
+    kept at its nearest seed (fewest hops, then best seed rank). Walked before the SQL (the
+    in-memory adjacency), then read by it as the relation ``__found``."""
 
     input: Plan
     items: tuple[tuple[str, int], ...]  # (ancestors | descendants | siblings | lineage, hops)

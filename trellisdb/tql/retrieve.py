@@ -4,12 +4,12 @@ It runs before the SQL: the WHERE prefilter (compiled like any TQL
 condition) picks candidate ids in DuckDB, Lance finds the nearest vectors
 (or BM25 matches) among them as of the snapshot, and the seeds -- ``(id,
 rank, distance, score)`` -- are handed to the SQL plan as the relation
-``__seeds``. An ``EXPAND`` is walked next, one DuckDB statement per hop
-level whatever the number of directions, with the frontier's ids spelled as
-constants while it is small, so each hop is a few point lookups in the
-mirror's ART indexes on ``edges.src`` / ``dst`` rather than a scan of the
-whole edge table (a join); its rows become ``__walk``. Rewards, ranking
-and the node rows are the SQL plan's.
+``(id, rank, distance, score)``. An ``EXPAND`` is walked next, breadth
+first over the in-memory adjacency arrays of ``trellisdb/graph.py`` (a hop
+is a few vectorized gathers, not a SQL statement joining the whole edge
+table), and each node kept at its nearest seed; the seeds and those nodes
+become the relation ``__found`` of the SQL plan, which attaches the node
+rows, rewards and ranking.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from trellisdb.errors import EmptySpaceError
+from trellisdb.graph import WalkSpec, found_rows
 from trellisdb.tql import ast as A
 from trellisdb.tql import plan as P
 from trellisdb.tql.compile import compile_plan
@@ -33,7 +34,6 @@ from trellisdb.vectors import (
     nprobes_for,
     rrf,
     search,
-    sql_strings,
     text_index,
     vector_index,
     visibility,
@@ -44,16 +44,6 @@ if TYPE_CHECKING:
 
 SEEDS_SCHEMA = pa.schema([("id", pa.string()), ("rank", pa.int64()), ("distance", pa.float64()),
                           ("score", pa.float64())])
-EMPTY_SEEDS = SEEDS_SCHEMA.empty_table()
-WALK_SCHEMA = pa.schema([("id", pa.string()), ("seed", pa.string()), ("hop", pa.int64()), ("relation", pa.string())])
-EMPTY_WALK = WALK_SCHEMA.empty_table()
-#: A frontier is spelled as constants (ART index probes, ~45 us per id on this machine) while it
-#: has at most ``max(LITERAL_MIN, edge rows / LITERAL_PER_ROWS)`` ids, the point where probing
-#: costs what a scan of the edge table does (~17 ns per row), and never more than LITERAL_IDS;
-#: a larger one is joined as a relation (a hash join over the whole edge table).
-LITERAL_MIN = 16
-LITERAL_PER_ROWS = 2500
-LITERAL_IDS = 2000
 
 
 def _space(db: Database, s: A.Retrieve) -> Space:
@@ -180,68 +170,29 @@ def describe_search(db: Database, bound: Bound, done: str | None) -> str:
     return "\n".join(lines)
 
 
-def _walks(items: tuple[tuple[str, int], ...]) -> list[tuple[str, list[tuple[str, str]], list[bool]]]:
-    """Each direction as (relation, [(near, far) column per level], [emit at level])."""
-    out: list[tuple[str, list[tuple[str, str]], list[bool]]] = []
+def _walks(items: tuple[tuple[str, int], ...]) -> list[WalkSpec]:
+    """Each direction as (relation, [forward (src -> dst) per level], [emit at level])."""
+    out: list[WalkSpec] = []
     for direction, hops in items:
         for d in ("ancestors", "descendants") if direction == "lineage" else (direction,):
             if d == "siblings":  # up to the parents, down to their other children
-                out.append(("sibling", [("dst", "src"), ("src", "dst")], [False, True]))
+                out.append(("sibling", [False, True], [False, True]))
             else:
-                step = ("dst", "src") if d == "ancestors" else ("src", "dst")
-                out.append((d[:-1], [step] * hops, [True] * hops))
+                out.append((d[:-1], [d == "descendants"] * hops, [True] * hops))
     return out
 
 
-def walk(db: Database, plan: P.Plan, snapshot: int, seeds: pa.Table) -> pa.Table:
-    """The nodes an ``EXPAND`` reaches from ``seeds``: ``(id, seed, hop, relation)``, each
-    (id, seed) at the fewest hops (breadth first); the SQL plan keeps one row per id."""
+def expand(db: Database, plan: P.Plan, snapshot: int, seeds: pa.Table) -> pa.Table:
+    """The rows of a RETRIEVE before the node columns: its ``seeds`` and the nodes its
+    ``EXPAND`` reaches from them (breadth first, over the in-memory adjacency of
+    ``trellisdb/graph.py``), one row per node at its nearest seed, as
+    ``(id, relation, seed, seed_rank, hop, distance, score)``."""
     ex = plan
     while not isinstance(ex, P.Expand):
         ex = ex.input  # type: ignore[attr-defined]
     walks = _walks(ex.items)
     if not walks or seeds.num_rows == 0:
-        return EMPTY_WALK
-    kinds = ", ".join(f"'{k}'" for k in ex.kinds)  # resolved names (EDGE_KINDS), not user text
-    start = pa.table({"id": seeds["id"], "seed": seeds["id"]})
-    frontier = [start] * len(walks)
-    seen = [start] * len(walks)
-    found: list[pa.Table] = []
-    st = db._log.refresh()
-    spell = min(LITERAL_IDS, max(LITERAL_MIN, db._tables.dataset("edges", refresh=False).count_rows() // LITERAL_PER_ROWS))
-    level = 0
-    while True:
-        active = [i for i, w in enumerate(walks) if level < len(w[1]) and frontier[i].num_rows]
-        if not active:
-            break
-        branches, rels = [], {}
-        for i in active:
-            near, far = walks[i][1][level]
-            ids = pc.unique(frontier[i]["id"].combine_chunks())
-            if len(ids) <= spell:
-                cond = f"e.{near} IN ({sql_strings(ids)})"
-            else:
-                rels[f"__frontier{i}"] = pa.table({"id": ids})
-                cond = f"e.{near} IN (SELECT id FROM __frontier{i})"
-            branches.append(f"SELECT {i} AS w, e.{far} AS id, e.{near} AS via FROM edges AS e "
-                            f"WHERE {cond} AND e.kind IN ({kinds})")
-        got = db._engine.run(st, snapshot, " UNION ALL ".join(branches), relations=rels or None)
-        for i in active:
-            rel, _, emit = walks[i]
-            rows = got.filter(pc.equal(got["w"], i)).select(["id", "via"])
-            nxt = rows.join(frontier[i].rename_columns(["via", "seed"]), "via", join_type="inner")
-            nxt = nxt.group_by(["id", "seed"]).aggregate([]).select(["id", "seed"])
-            if rel == "sibling" and emit[level]:
-                nxt = nxt.filter(pc.not_equal(nxt["id"], nxt["seed"]))
-            nxt = nxt.join(seen[i], ["id", "seed"], join_type="left anti")
-            seen[i] = pa.concat_tables([seen[i], nxt])
-            frontier[i] = nxt
-            if emit[level] and nxt.num_rows:
-                hop = 1 if rel == "sibling" else level + 1
-                found.append(pa.table({
-                    "id": nxt["id"], "seed": nxt["seed"],
-                    "hop": pa.array(np.full(nxt.num_rows, hop, dtype=np.int64)),
-                    "relation": pa.array([rel] * nxt.num_rows, pa.string()),
-                }, schema=WALK_SCHEMA))
-        level += 1
-    return pa.concat_tables(found).combine_chunks() if found else EMPTY_WALK
+        z = np.empty(0, np.int64)
+        return found_rows(seeds, pa.array([], pa.string()), pa.array([], pa.string()), z, z)
+    adj = db._engine.adjacency(db._log.refresh())
+    return adj.expand(seeds, walks, ex.kinds, snapshot)

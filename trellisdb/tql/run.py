@@ -11,13 +11,14 @@ from typing import TYPE_CHECKING, Any
 import pyarrow as pa
 
 from trellisdb.errors import QueryError, UnknownNodeError
+from trellisdb.graph import EMPTY_FOUND
 from trellisdb.result import Result
 from trellisdb.tql import ast as A
 from trellisdb.tql.compile import Compiled, compile_plan
 from trellisdb.tql.parser import parse
 from trellisdb.tql.plan import Plan, build
 from trellisdb.tql.resolve import LINEAGE_KINDS, Bound, Catalog, resolve
-from trellisdb.tql.retrieve import EMPTY_SEEDS, EMPTY_WALK, describe_search, vector_step, walk
+from trellisdb.tql.retrieve import describe_search, expand, vector_step
 
 if TYPE_CHECKING:
     import networkx as nx
@@ -108,13 +109,13 @@ def prepare(db: Database, text: str, params: Mapping[str, Any]) -> tuple[Bound, 
 def explain_text(db: Database, bound: Bound, plan: Plan, compiled: Compiled, search: str | None = None) -> str:
     st = db._log.refresh()
     snapshot = bound.snapshot
-    rel = {"__seeds": EMPTY_SEEDS, "__walk": EMPTY_WALK} if isinstance(bound.statement, A.Retrieve) else None
+    rel = {"__found": EMPTY_FOUND} if isinstance(bound.statement, A.Retrieve) else None
     physical = db._engine.run(st, snapshot, "EXPLAIN " + compiled.sql, compiled.params, relations=rel)
     duck = "\n".join(str(v) for v in physical.column(physical.num_columns - 1).to_pylist()) if physical.num_rows else ""
     params = ", ".join(f"${k} = {v!r}" for k, v in compiled.params.items()) or "none"
     step = ""
     if isinstance(bound.statement, A.Retrieve):
-        step = ("-- vector step (Lance; its rows become the relation __seeds, an EXPAND's walk __walk)\n"
+        step = ("-- vector step (Lance), then the EXPAND's walk (in-memory adjacency): the relation __found\n"
                 f"{describe_search(db, bound, search)}\n\n")
     return (
         f"-- logical plan\n{plan.pretty()}\n\n{step}-- SQL (DuckDB)\n{compiled.sql}\n-- parameters: {params}\n\n"
@@ -133,7 +134,7 @@ def run(db: Database, text: str, params: Mapping[str, Any]) -> QueryResult:
     search = None
     if isinstance(bound.statement, A.Retrieve):
         seeds, search = vector_step(db, bound)
-        relations = {"__seeds": seeds, "__walk": walk(db, plan, bound.snapshot, seeds)}
+        relations = {"__found": expand(db, plan, bound.snapshot, seeds)}
     try:
         table = db._engine.run(st, bound.snapshot, compiled.sql, compiled.params, relations=relations)
     except QueryError as e:
