@@ -15,8 +15,8 @@ base when it holds an eighth of the base's edges. Each edge keeps its
 ``commit_id``, so one adjacency serves every ``AS OF`` snapshot it covers.
 Rows of aborted commits are never visible, so never enter it.
 
-Memory: about 100 bytes per edge plus a dict entry and a string per distinct
-node id (~200 bytes); built lazily, so a store that never expands pays nothing.
+Memory: about 100 bytes per edge plus the sorted node ids (their bytes and
+an offset); built lazily, so a store that never expands pays nothing.
 
     >>> import pyarrow as pa
     >>> e = pa.table({"src": ["a", "a", "b"], "dst": ["b", "c", "d"],
@@ -32,6 +32,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+import polars as pl
 import pyarrow as pa
 import pyarrow.compute as pc
 
@@ -120,48 +121,105 @@ class _Edges:
 
 class Adjacency:
     """The committed edges up to commit ``upto``, for breadth-first walks. Immutable:
-    :meth:`extended` returns a new one (readers keep walking the one they hold)."""
+    :meth:`extended` returns a new one (readers keep walking the one they hold).
 
-    def __init__(self, code: dict[str, int], ids: pa.ChunkedArray, base: _Edges, delta: _Edges, upto: int) -> None:
-        self._code = code  # node id -> code (shared by the extended copies; only ever grows)
-        self._ids = ids  # code -> node id
+    Node codes: the base's node ids sorted (code = position, found by binary
+    search in a polars Series, no per-id Python objects), then ids first seen
+    in the delta, numbered on from there (a small dict). A merge re-numbers
+    both into one sorted run, by insertion positions (vectorized)."""
+
+    def __init__(
+        self, ids: pl.Series, fresh: dict[str, int], base: _Edges, delta: _Edges, upto: int,
+        names: pa.Array | None = None,
+    ) -> None:
+        self._sorted = ids  # base node ids, sorted: code -> id for codes below len(ids)
+        self._fresh = fresh  # ids new since the base -> their codes (len(ids), len(ids) + 1, ...)
         self._base = base
         self._delta = delta
         self.upto = upto
+        #: the sorted ids as Arrow (made once per base, handed on by ``extended``) and the fresh ones
+        self._names = ids.to_arrow().cast(pa.string()) if names is None else names
+        self._fresh_names = pa.array(list(fresh), pa.string())
+
+    def _id_of(self, codes: np.ndarray) -> pa.Array:
+        """The node id of each code."""
+        nb = len(self._names)
+        if not len(codes) or codes.max() < nb:
+            return self._names.take(pa.array(codes, pa.int64()))
+        old = codes < nb
+        both = pa.concat_arrays([self._names.take(pa.array(codes[old])), self._fresh_names.take(pa.array(codes[~old] - nb))])
+        place = np.empty(len(codes), np.int64)
+        place[np.nonzero(old)[0]] = np.arange(int(old.sum()))
+        place[np.nonzero(~old)[0]] = np.arange(int(old.sum()), len(codes))
+        return both.take(pa.array(place))
 
     @classmethod
     def build(cls, edges: pa.Table, upto: int) -> Adjacency:
         """From rows ``(src, dst, kind, commit_id)``."""
         n = edges.num_rows
-        enc = pa.concat_arrays([_arr(edges, "src"), _arr(edges, "dst")]).dictionary_encode()
-        idx = enc.indices.to_numpy(zero_copy_only=False).astype(np.int64)
-        names = enc.dictionary
-        code = dict(zip(names.to_pylist(), range(len(names)), strict=True))
-        base = _Edges.of(idx[:n], idx[n:], _kind_codes(edges), _arr(edges, "commit_id").to_numpy().astype(np.int64))
-        return cls(code, pa.chunked_array([names], pa.string()), base, _Edges.empty(), upto)
+        enc = pa.concat_arrays([_arr(edges, "src").cast(pa.string()), _arr(edges, "dst").cast(pa.string())])
+        enc = enc.dictionary_encode()
+        names = pl.Series(enc.dictionary)
+        perm = names.arg_sort().to_numpy().astype(np.int64)  # sorted position -> dictionary index
+        rank = np.empty_like(perm)
+        rank[perm] = np.arange(len(perm))
+        idx = rank[enc.indices.to_numpy(zero_copy_only=False).astype(np.int64)] if n else np.empty(0, np.int64)
+        base = _Edges.of(idx[:n], idx[n:], _kind_codes(edges), _commits(edges))
+        return cls(names.gather(perm), {}, base, _Edges.empty(), upto)
+
+    def _codes(self, ids: pa.Array) -> np.ndarray:
+        """The code of each id (-1: not in the adjacency)."""
+        q = pl.Series(ids.cast(pa.string()))
+        n = len(self._sorted)
+        if n and len(q):
+            pos = np.minimum(self._sorted.search_sorted(q).to_numpy().astype(np.int64), n - 1)
+            hit = (self._sorted.gather(pos) == q).to_numpy()
+            out = np.where(hit, pos, -1)
+        else:
+            out = np.full(len(q), -1, np.int64)
+        if self._fresh:  # a loop over the ids the base lacks, not over the table
+            miss = np.nonzero(out < 0)[0]
+            for i, s in zip(miss, ids.take(pa.array(miss)).to_pylist(), strict=True):
+                out[i] = self._fresh.get(s, -1)
+        return out
 
     def extended(self, edges: pa.Table, upto: int) -> Adjacency:
         """With the rows ``edges`` (those of commits after :attr:`upto`) added, covering ``upto``."""
         if edges.num_rows == 0:
-            return Adjacency(self._code, self._ids, self._base, self._delta, upto)
+            return Adjacency(self._sorted, self._fresh, self._base, self._delta, upto, self._names)
         n = edges.num_rows
-        both = pa.concat_arrays([_arr(edges, "src"), _arr(edges, "dst")])
+        both = pa.concat_arrays([_arr(edges, "src").cast(pa.string()), _arr(edges, "dst").cast(pa.string())])
         uniq = pc.unique(both)
-        # new ids get the next codes; a loop over the commit's distinct ids, not over the table
-        fresh = [s for s in uniq.to_pylist() if s not in self._code]
-        ids = self._ids
-        if fresh:
-            start = len(self._code)
-            self._code.update(zip(fresh, range(start, start + len(fresh)), strict=True))
-            ids = pa.chunked_array([*ids.chunks, pa.array(fresh, pa.string())], pa.string())
-        codes = np.fromiter((self._code[s] for s in uniq.to_pylist()), np.int64, len(uniq))
+        codes = self._codes(uniq)
+        fresh = dict(self._fresh)  # a copy: the adjacency readers hold does not change
+        new = np.nonzero(codes < 0)[0]
+        start = len(self._sorted) + len(fresh)
+        fresh.update(zip(uniq.take(pa.array(new)).to_pylist(), range(start, start + len(new)), strict=True))
+        codes[new] = np.arange(start, start + len(new))
         at = codes[pc.index_in(both, value_set=uniq).to_numpy(zero_copy_only=False).astype(np.int64)]
-        added = _Edges.of(at[:n], at[n:], _kind_codes(edges), _arr(edges, "commit_id").to_numpy().astype(np.int64))
-        delta = self._delta.plus(added)
-        base = self._base
-        if len(delta) >= max(MERGE_MIN, len(base) // MERGE_SHARE):
-            base, delta = base.plus(delta), _Edges.empty()
-        return Adjacency(self._code, ids, base, delta, upto)
+        delta = self._delta.plus(_Edges.of(at[:n], at[n:], _kind_codes(edges), _commits(edges)))
+        if len(delta) < max(MERGE_MIN, len(self._base) // MERGE_SHARE):
+            return Adjacency(self._sorted, fresh, self._base, delta, upto, self._names)
+        return Adjacency._merged(self._sorted, fresh, self._base.plus(delta), upto)
+
+    @staticmethod
+    def _merged(ids: pl.Series, fresh: dict[str, int], edges: _Edges, upto: int) -> Adjacency:
+        """One sorted run of codes: each fresh id goes to its insertion position among the
+        sorted ``ids``; a base id moves up by the number of fresh ids inserted at or before it."""
+        nb, m = len(ids), len(fresh)
+        f = pl.Series(list(fresh), dtype=pl.String)  # in code order
+        order = f.arg_sort().to_numpy().astype(np.int64)
+        fs = f.gather(order)
+        at = ids.search_sorted(fs).to_numpy().astype(np.int64) if nb else np.zeros(m, np.int64)
+        remap = np.empty(nb + m, np.int64)
+        remap[:nb] = np.arange(nb) + np.cumsum(np.bincount(at, minlength=nb + 1))[:nb]
+        remap[nb + order] = at + np.arange(m)
+        # the merged run: the old base and the sorted fresh ids, placed at their new codes
+        place = np.empty(nb + m, np.int64)
+        place[np.concatenate([remap[:nb], at + np.arange(m)])] = np.arange(nb + m)
+        merged = pl.concat([ids, fs]).gather(place)
+        base = _Edges.of(remap[edges.src], remap[edges.dst], edges.kind, edges.commit)
+        return Adjacency(merged, {}, base, _Edges.empty(), upto)
 
     @property
     def edges(self) -> int:
@@ -176,7 +234,7 @@ class Adjacency:
         node, seed, hop, w = self._walk(seeds, walks, kinds, snapshot)
         return pa.table(
             {
-                "id": self._ids.take(pa.array(node)),
+                "id": self._id_of(node),
                 "seed": seeds.cast(pa.string()).take(pa.array(seed)),
                 "hop": pa.array(hop),
                 "relation": pa.array([x[0] for x in walks], pa.string()).take(pa.array(w)),
@@ -191,7 +249,7 @@ class Adjacency:
         ``(id, relation, seed, seed_rank, hop, distance, score)``."""
         ids = seeds["id"].combine_chunks().cast(pa.string())
         node, seed, hop, w = self._walk(ids, walks, kinds, snapshot)
-        seed_codes = np.array([self._code.get(s, -1) for s in ids.to_pylist()], np.int64)
+        seed_codes = self._codes(ids)
         keep = ~np.isin(node, seed_codes)  # a seed is always its own, at hop 0
         node, seed, hop, w = node[keep], seed[keep], hop[keep], w[keep]
         names = [x[0] for x in walks]
@@ -199,21 +257,20 @@ class Adjacency:
         order = np.lexsort((by_name[w], seed, hop, node))
         first = order[np.unique(node[order], return_index=True)[1]]
         node, seed, hop, w = node[first], seed[first], hop[first], w[first]
-        return found_rows(seeds, self._ids.take(pa.array(node)).combine_chunks(),
+        return found_rows(seeds, self._id_of(node),
                           pa.array(names, pa.string()).take(pa.array(w)), seed, hop)
 
     def _walk(
         self, seeds: pa.Array, walks: list[WalkSpec], kinds: tuple[str, ...], snapshot: int
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """(node code, seed index, hop, walk index) of every (node, seed) each walk reaches."""
-        seed_ids = seeds.to_pylist()
-        k = len(seed_ids)
-        known = [(i, self._code[s]) for i, s in enumerate(seed_ids) if s in self._code]
+        k = len(seeds)
+        codes = self._codes(seeds)
+        seed_of = np.nonzero(codes >= 0)[0].astype(np.int64)  # the seeds that have edges
+        start = codes[seed_of]
         out_node, out_seed, out_hop, out_walk = [], [], [], []
         mask = np.isin(np.arange(len(EDGE_KINDS)), [EDGE_KINDS.index(x) for x in kinds])
-        seed_of = np.array([i for i, _ in known], np.int64)
-        start = np.array([c for _, c in known], np.int64)
-        for w, (rel, forward, emit) in enumerate(walks if known else []):
+        for w, (rel, forward, emit) in enumerate(walks if len(start) else []):
             nodes, seed = start, seed_of
             seen = nodes * k + seed
             for level, fwd in enumerate(forward):
@@ -259,6 +316,11 @@ def found_rows(seeds: pa.Table, node: pa.Array, relation: pa.Array, seed: np.nda
 
 def _arr(t: pa.Table, col: str) -> pa.Array:
     return t.column(col).combine_chunks()
+
+
+def _commits(edges: pa.Table) -> np.ndarray:
+    out: np.ndarray = _arr(edges, "commit_id").to_numpy().astype(np.int64)
+    return out
 
 
 def _kind_codes(edges: pa.Table) -> np.ndarray:
