@@ -60,6 +60,26 @@ def timed(fns: list[Callable[[], Any]]) -> dict[str, float]:
     return {"p50_ms": statistics.median(ts), "p95_ms": ts[min(len(ts) - 1, int(0.95 * len(ts)))]}
 
 
+def interleaved(named: dict[str, list[Callable[[], Any]]], rounds: int = 2) -> dict[str, dict[str, float]]:
+    """p50/p95 of each named list of calls, the lists run round-robin (query i of every
+    list, then query i + 1, ...) and ``rounds`` times, so the machine's drift hits all alike."""
+    for fns in named.values():
+        fns[0]()  # warm-up
+    ts: dict[str, list[float]] = {k: [] for k in named}
+    n = len(next(iter(named.values())))
+    for _ in range(rounds):
+        for i in range(n):
+            for k, fns in named.items():
+                t0 = time.perf_counter()
+                fns[i]()
+                ts[k].append((time.perf_counter() - t0) * 1000)
+    out = {}
+    for k, v in ts.items():
+        v.sort()
+        out[k] = {"p50_ms": statistics.median(v), "p95_ms": v[min(len(v) - 1, int(0.95 * len(v)))]}
+    return out
+
+
 def commit_rate(db: trellisdb.Database, seconds: float, stop: Callable[[], bool] = lambda: False) -> float:
     """Per-step commits per second (one node + one reward per commit) for ``seconds`` or until ``stop()``."""
     s = db.session(task="bench-writes", agent="w")
@@ -143,8 +163,6 @@ def main(argv: list[str] | None = None) -> int:
     recall_ours = statistics.mean(len({r["id"] for r in res.to_pylist() if r["relation"] == "seed"} & t) / K
                                   for res, t in zip(got, truth, strict=True))
     expanded_rows = statistics.mean(len(r) for r in got)
-    ours_t = timed([lambda q=q: ours(q) for q in qs])
-    seeds_t = timed([lambda q=q: ours(q, "") for q in qs])
 
     ldb = lancedb.connect(os.path.join(args.work, "bare"))
     tbl = ldb.create_table("v", data=pa.table({"id": all_ids, "vector": pa.FixedSizeListArray.from_arrays(
@@ -158,7 +176,12 @@ def main(argv: list[str] | None = None) -> int:
         return s.select(["id", "_distance"]).to_arrow()
 
     recall_bare = statistics.mean(len(set(bare(q)["id"].to_pylist()) & t) / K for q, t in zip(qs, truth, strict=True))
-    bare_t = timed([lambda q=q: bare(q) for q in qs])
+    lat = interleaved({
+        "ours": [lambda q=q: ours(q) for q in qs],
+        "seeds": [lambda q=q: ours(q, "") for q in qs],
+        "bare": [lambda q=q: bare(q) for q in qs],
+    })
+    ours_t, seeds_t, bare_t = lat["ours"], lat["seeds"], lat["bare"]
 
     # -- 2. numpy + networkx
     e = pa.concat_tables(edges)
