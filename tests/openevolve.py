@@ -61,7 +61,17 @@ def numeric_metrics(p: dict[str, Any]) -> dict[str, float]:
     return {k: float(v) for k, v in p["metrics"].items() if isinstance(v, int | float) and not isinstance(v, bool)}
 
 
-def load(db: trellisdb.Database) -> dict[str, tuple[int, dict[str, Any]]]:
+def prompt_artifacts(p: dict[str, Any]) -> dict[str, str]:
+    """The program's prompt (system, user) and response texts, as artifact roles."""
+    pr = next(iter((p.get("prompts") or {}).values()), None)
+    if not pr:
+        return {}
+    out = {"system_prompt": pr.get("system") or "", "prompt": pr.get("user") or "",
+           "response": "".join(pr.get("responses") or [])}
+    return {k: v for k, v in out.items() if v}
+
+
+def load(db: trellisdb.Database, prompts: bool = False) -> dict[str, tuple[int, dict[str, Any]]]:
     progs = programs()
     s = db.session(task=TASK, agent="openevolve", id="openevolve-run")
     by_ckpt: dict[int, list[dict[str, Any]]] = {}
@@ -77,7 +87,7 @@ def load(db: trellisdb.Database) -> dict[str, tuple[int, dict[str, Any]]]:
                     step=p["iteration_found"],
                     status="evaluated",
                     source="openevolve",
-                    artifacts={"code": p["code"]},
+                    artifacts={"code": p["code"], **(prompt_artifacts(p) if prompts else {})},
                 )
                 for ch, v in numeric_metrics(p).items():
                     s.add_reward(nid, ch, v, verifier="openevolve")

@@ -1,6 +1,7 @@
 """The `trellis` command: a thin layer over the library.
 
 trellis [--db PATH] init | log | sql TEXT | query TQL | explain TQL | tag NAME | compact | verify | demo
+    | views | create-view NAME KIND -o K=V ... | materialize NAME | refresh NAME | export NAME PATH
 """
 
 from __future__ import annotations
@@ -68,6 +69,17 @@ def _param(text: str) -> tuple[str, Any]:
     return name, value
 
 
+def _opt(text: str) -> tuple[str, Any]:
+    """A view option NAME=VALUE: VALUE as JSON when it parses (lists too: pairs_from=["siblings"]), else text."""
+    name, sep, raw = text.partition("=")
+    if not sep or not name.isidentifier():
+        raise TrellisError(f"--opt {text!r} must look like NAME=VALUE, e.g. -o threshold=0.9")
+    try:
+        return name, json.loads(raw)
+    except ValueError:
+        return name, raw
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="trellis", description="trellisdb: experience-graph database")
     p.add_argument("--db", default=None, help="database folder (default: $TRELLIS_DB or ./trellis.db)")
@@ -96,6 +108,26 @@ def build_parser() -> argparse.ArgumentParser:
         "--prune-now", action="store_true", help="also delete old physical versions at once (no other reader running)"
     )
     sub.add_parser("verify", help="read every file; report damage")
+    sub.add_parser("views", help="list the training-data views")
+    cv = sub.add_parser("create-view", help="declare a training-data view (kinds and options: trellisdb/views.py)")
+    cv.add_argument("name")
+    cv.add_argument("kind", help="sft | preference | grpo | kto | stepwise | replay")
+    cv.add_argument("--opt", "-o", action="append", default=[], metavar="NAME=VALUE",
+                    help="a view option, e.g. -o \"reward=reward('score')\" -o threshold=0.9 (VALUE read as JSON "
+                         "when it parses)")
+    cv.add_argument("--replace", action="store_true", help="redefine an existing view")
+    mat = sub.add_parser("materialize", help="compute a view and store its rows pinned to a commit")
+    mat.add_argument("name")
+    mat.add_argument("--as-of", default=None, help="commit id, tag or ISO timestamp (default: latest)")
+    ref = sub.add_parser("refresh", help="bring a materialized view to the latest commit")
+    ref.add_argument("name")
+    ex = sub.add_parser("export", help="write a materialized view as a dataset (JSONL / Parquet + manifest)")
+    ex.add_argument("name")
+    ex.add_argument("path")
+    ex.add_argument("--format", choices=["trl", "openai", "parquet"], default="trl")
+    ex.add_argument("--validation", type=float, default=0.0, help="share of tasks split off for validation")
+    ex.add_argument("--overwrite", action="store_true", help="replace the path if it exists")
+    ex.add_argument("--skip-missing", action="store_true", help="leave out rows whose texts are missing")
     demo = sub.add_parser("demo", help="run a small simulated search into the database")
     demo.add_argument("--sessions", type=int, default=3)
     demo.add_argument("--steps", type=int, default=12)
@@ -148,6 +180,25 @@ def _run(args: argparse.Namespace, path: str) -> int:
         out = db.compact(dt.timedelta(0)) if args.prune_now else db.compact()
         for name, m in out.items():
             print(f"{name}: {m['fragments_removed']} fragments -> {m['fragments_added']}")
+    elif args.command == "views":
+        vs = db.views()
+        print(format_table(pa.Table.from_pylist(vs) if vs else pa.table({"name": pa.array([], pa.string())}), "table"))
+    elif args.command == "create-view":
+        opts = dict(_opt(o) for o in args.opt)
+        e = db.create_view(args.name, args.kind, replace=args.replace, **opts)
+        print(f"view {args.name!r}: {e['definition']}")
+    elif args.command in ("materialize", "refresh"):
+        e = db.materialize(args.name, as_of=args.as_of) if args.command == "materialize" else db.refresh(args.name)
+        print(f"view {args.name!r}: {e['rows']} rows at commit {e['commit']} ({e.get('how', 'built')})")
+    elif args.command == "export":
+        def progress(done: int, total: int) -> None:
+            if total >= 100_000:
+                print(f"\r{done}/{total} rows", end="" if done < total else "\n", file=sys.stderr, flush=True)
+
+        m = db.export(args.name, args.path, args.format, validation=args.validation, overwrite=args.overwrite,
+                      skip_missing=args.skip_missing, progress=progress)
+        print(f"wrote {m['rows']} rows ({', '.join(f'{k} {v}' for k, v in m['counts'].items())}) of view "
+              f"{args.name!r} at commit {m['commit']} to {args.path} ({m['layout']})")
     elif args.command == "verify":
         problems = db.verify()
         for pr in problems:

@@ -765,6 +765,115 @@ class Database:
                 progress(min(lo + batch_size, len(ids)), len(ids))
         return len(ids)
 
+    # ------------------------------------------------------- training-data views
+    def create_view(self, name: str, kind: str, *, replace: bool = False, **options: Any) -> dict[str, Any]:
+        """Declare a training-data view (``trellisdb/views.py`` lists the kinds and options);
+        nothing is computed until :meth:`materialize`. Returns its catalog entry.
+
+        >>> db.create_view("good", "sft", reward="reward('score')", threshold=0.9)  # doctest: +SKIP
+        """
+        from trellisdb import views
+
+        spec = views.ViewSpec.from_dict({**options, "name": name, "kind": kind})
+        views._base(self, spec, self._log.refresh().last_committed)  # the conditions compile, names exist
+        with self._lock.held():
+            cat = views.ViewCatalog(self.path).load()
+            if name in cat.entries and not replace:
+                raise ValidationError(f"view {name!r} exists; pass replace=True to redefine it (its rows go)")
+            old = cat.entries.get(name, {}).get("file")
+            cat.entries[name] = {"spec": spec.as_dict(), "definition": spec.definition(), "commit": None,
+                                 "rows": None, "file": None}
+            cat.save()
+            if old:
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(os.path.join(self.path, old))
+        return dict(cat.entries[name])
+
+    def views(self) -> list[dict[str, Any]]:
+        """Every view: name, kind, definition, the commit it is materialized at and its row count."""
+        from trellisdb import views
+
+        cat = views.ViewCatalog(self.path).load()
+        return [{"name": n, "kind": e["spec"]["kind"], "definition": e["definition"], "commit": e["commit"],
+                 "rows": e["rows"], "computed_at": e.get("computed_at")} for n, e in sorted(cat.entries.items())]
+
+    def materialize(self, name: str, as_of: AsOf = None) -> dict[str, Any]:
+        """Compute view ``name`` as of a commit (default: the latest) and store its rows pinned to it."""
+        from trellisdb import views
+
+        self.flush()
+        commit = self.resolve_as_of(as_of)
+        spec = views.ViewCatalog(self.path).load().spec(name)
+        rows = views.compute(self, spec, commit)
+        with self._lock.held():
+            cat = views.ViewCatalog(self.path).load()
+            cat.spec(name)
+            return views.store(self, cat, spec, rows, commit, "built")
+
+    def refresh(self, name: str) -> dict[str, Any]:
+        """Bring a materialized view to the latest commit, recomputing only what the commits
+        since its own touched (equal to a rebuild; see ``views.refresh_rows``)."""
+        from trellisdb import views
+
+        self.flush()
+        cat = views.ViewCatalog(self.path).load()
+        spec = cat.spec(name)
+        entry = cat.entries[name]
+        upto = self._log.refresh().last_committed
+        if entry["commit"] is None:
+            return self.materialize(name)
+        if entry["commit"] >= upto:
+            return dict(entry)
+        rows, how = views.refresh_rows(self, spec, views.read_rows(self, entry), int(entry["commit"]), upto)
+        with self._lock.held():
+            cat = views.ViewCatalog(self.path).load()
+            cat.spec(name)
+            return views.store(self, cat, spec, rows, upto, how)
+
+    def view(self, name: str) -> Result:
+        """The stored rows of a materialized view (artifact hashes, provenance ``node_ids``)."""
+        from trellisdb import views
+
+        cat = views.ViewCatalog(self.path).load()
+        cat.spec(name)
+        entry = cat.entries[name]
+        if entry["file"] is None:
+            raise ValidationError(f"view {name!r} is not materialized yet; run db.materialize({name!r})")
+        return Result(views.read_rows(self, entry))
+
+    def drop_view(self, name: str) -> None:
+        """Forget a view and delete its stored rows (exports already written stay)."""
+        from trellisdb import views
+
+        with self._lock.held():
+            cat = views.ViewCatalog(self.path).load()
+            cat.spec(name)
+            old = cat.entries.pop(name).get("file")
+            cat.save()
+        if old:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(os.path.join(self.path, old))
+
+    def export(
+        self,
+        name: str,
+        path: str | os.PathLike[str],
+        format: str = "trl",
+        *,
+        validation: float = 0.0,
+        overwrite: bool = False,
+        skip_missing: bool = False,
+        progress: Any = None,
+    ) -> dict[str, Any]:
+        """Write materialized view ``name`` to folder ``path`` as ``trl`` / ``openai`` JSONL or
+        ``parquet``, with ``manifest.json``, ``provenance.parquet`` and a ``README.md`` card
+        (``trellisdb/export.py`` has the layouts). ``validation``: the share of tasks split off.
+        Returns the manifest."""
+        from trellisdb.export import export
+
+        return export(self, name, path, format, validation=validation, overwrite=overwrite,
+                      skip_missing=skip_missing, progress=progress)
+
     def index_status(self) -> list[dict[str, Any]]:
         """Per space: state (exact | building | indexed | failed), rows, indexed_rows,
         partitions, building_for_seconds, last_build_seconds, builds, error."""

@@ -100,3 +100,7 @@ class UnknownSpaceError(ValidationError):
 
 class EmptySpaceError(QueryError):
     """A retrieval over an embedding space that holds no vectors as of the query's commit."""
+
+
+class ExportError(TrellisError):
+    """An export that cannot be written as asked: missing texts, or a path that exists."""

@@ -1,0 +1,347 @@
+"""Training-data views: each kind against hand-computed rows, refresh == rebuild, exports, errors."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import polars as pl
+import pyarrow.json as pajson
+import pyarrow.parquet as pq
+import pytest
+
+import trellisdb
+from trellisdb import views
+
+from . import openevolve
+
+SCORES = {"A": 0.9, "B": 0.5, "C": 0.5, "D": 0.1, "E": 0.7, "F": 0.3, "G": 0.3, "X": 1.0, "Y": 0.0}
+
+
+def arts(name: str, prompt: str = "pack circles") -> dict[str, str]:
+    return {"prompt": prompt, "response": f"answer {name}", "system_prompt": "you are a solver"}
+
+
+@pytest.fixture
+def g(tmp_path: Path) -> trellisdb.Database:
+    """t1: R -> A B C D; A, B -> E (crossover); D -> F G.  t2: Q -> X Y.  Comparisons: C over B, A ~ D (tie)."""
+    db = trellisdb.connect(tmp_path / "db")
+    with db.transaction():
+        s = db.session(task="t1", agent="a", id="s1")
+        s.add_node(id="R", artifacts={"prompt": "pack circles"})
+        for n in "ABCD":
+            s.add_node(id=n, parents=["R"], artifacts=arts(n))
+        s.add_node(id="E", parents=["A", "B"], edge_kind="crossover_of", artifacts=arts("E"))
+        for n in "FG":
+            s.add_node(id=n, parents=["D"], artifacts=arts(n))
+        s2 = db.session(task="t2", agent="a", id="s2")
+        s2.add_node(id="Q", artifacts={"prompt": "sort"})
+        for n in "XY":
+            s2.add_node(id=n, parents=["Q"], artifacts=arts(n, "sort"))
+        for n, v in SCORES.items():
+            (s2 if n in "XY" else s).add_reward(n, "score", v)
+        s.add_comparison("B", "C", preferred="C", margin=1.0, judge="human")
+        s.add_comparison("A", "D", preferred=None, judge="human")
+    return db
+
+
+def rows(db: trellisdb.Database, name: str) -> list[dict[str, Any]]:
+    return db.view(name).to_pylist()
+
+
+def test_preference_pairs_siblings_and_comparisons(g: trellisdb.Database) -> None:
+    g.create_view("p", "preference", reward="reward('score')")
+    assert g.materialize("p")["rows"] == 6
+    got = {(r["chosen_id"], r["rejected_id"]): (round(r["margin"], 9), r["source"], r["group_key"]) for r in rows(g, "p")}
+    assert got == {
+        ("A", "B"): (0.4, "siblings", "R"), ("A", "C"): (0.4, "siblings", "R"),
+        ("B", "D"): (0.4, "siblings", "R"), ("C", "D"): (0.4, "siblings", "R"),
+        ("X", "Y"): (1.0, "siblings", "Q"),
+        ("C", "B"): (1.0, "comparison", None),  # the judge breaks the B/C reward tie; the A/D tie drops (A, D)
+    }
+    r = next(r for r in rows(g, "p") if r["chosen_id"] == "A" and r["rejected_id"] == "B")
+    assert r["node_ids"] == ["A", "B"] and r["task_id"] == "t1" and r["chosen_hash"] != r["rejected_hash"]
+    g.create_view("wide", "preference", reward="reward('score')", margin=0.5, pairs_from=["siblings"])
+    g.materialize("wide")
+    assert {(r["chosen_id"], r["rejected_id"]) for r in rows(g, "wide")} == {("A", "D"), ("X", "Y")}
+    g.create_view("byprompt", "preference", reward="reward('score')", group_by="prompt", pairs_from=["siblings"],
+                  where="session_id = 's2'")
+    g.materialize("byprompt")
+    assert [(r["chosen_id"], r["rejected_id"]) for r in rows(g, "byprompt")] == [("X", "Y")]
+
+
+def test_grpo_groups_and_advantages(g: trellisdb.Database) -> None:
+    g.create_view("gr", "grpo", reward="reward('score')")
+    g.materialize("gr")
+    got = {r["group_key"]: r for r in rows(g, "gr")}
+    assert set(got) == {"R", "D", "Q"}  # A's and B's groups hold only E: below min_size 2
+    r = got["R"]
+    std = math.sqrt((0.4**2 + 0 + 0 + 0.4**2) / 4)
+    assert r["node_ids"] == ["A", "B", "C", "D"] and r["size"] == 4
+    assert r["mean"] == pytest.approx(0.5) and r["std"] == pytest.approx(std)
+    assert r["advantages"] == pytest.approx([0.4 / std, 0.0, 0.0, -0.4 / std])
+    assert got["Q"]["advantages"] == pytest.approx([1.0, -1.0])
+    assert got["D"]["advantages"] == [0.0, 0.0] and got["D"]["std"] == 0.0  # no variance: kept, advantage 0
+    g.create_view("gr2", "grpo", reward="reward('score')", drop_zero_variance=True, min_size=3)
+    g.materialize("gr2")
+    assert [r["group_key"] for r in rows(g, "gr2")] == ["R"]
+
+
+def test_sft_kto_stepwise(g: trellisdb.Database) -> None:
+    g.create_view("s", "sft", reward="reward('score')", threshold=0.7)
+    g.materialize("s")
+    assert [r["node_id"] for r in rows(g, "s")] == ["A", "E", "X"]
+    g.create_view("k", "kto", reward="reward('score')", threshold=0.5)
+    g.materialize("k")
+    assert {r["node_id"]: r["label"] for r in rows(g, "k")} == {n: v >= 0.5 for n, v in SCORES.items()}
+    g.create_view("st", "stepwise", reward="reward('score')", threshold=0.5)
+    g.materialize("st")
+    got = {r["node_id"]: (r["node_ids"], r["labels"]) for r in rows(g, "st")}
+    assert got == {"C": (["C"], [True]), "E": (["A", "E"], [True, True]), "F": (["D", "F"], [False, False]),
+                   "G": (["D", "G"], [False, False]), "X": (["X"], [True]), "Y": (["Y"], [False])}
+
+
+def test_replay_is_a_deterministic_prioritized_sample(g: trellisdb.Database) -> None:
+    g.create_view("r", "replay", reward="reward('score')", size=4, seed=7)
+    g.materialize("r")
+    first = rows(g, "r")
+    assert len(first) == 4 and [r["sample_rank"] for r in first] == [1, 2, 3, 4]
+    g.materialize("r")
+    assert rows(g, "r") == first  # same seed, same sample
+    for r in first:
+        assert r["priority"] == pytest.approx(abs(r["advantage"]) + 1e-6)
+    # high |advantage| wins far more often than a zero one over many seeds
+    counts: dict[str, int] = {}
+    for seed in range(40):
+        g.create_view("r", "replay", reward="reward('score')", size=2, seed=seed, replace=True)
+        g.materialize("r")
+        for r in rows(g, "r"):
+            counts[r["node_id"]] = counts.get(r["node_id"], 0) + 1
+    assert counts.get("A", 0) > counts.get("B", 0) + 5  # A: advantage 1.41; B, C and F, G: 0
+    g.create_view("b", "replay", reward="reward('score')", size=3, strategy="bucket", threshold=0.5)
+    g.materialize("b")
+    assert len(rows(g, "b")) == 3
+
+
+def grow(db: trellisdb.Database, rng: np.random.Generator, n: int) -> None:
+    """Random later writes of every kind a view reads."""
+    ids = [r["id"] for r in db.sql("SELECT id FROM nodes ORDER BY id").to_pylist()]
+    with db.transaction():
+        s = db.resume("s1")
+        for _ in range(n):
+            op = rng.integers(0, 5)
+            if op == 0:  # a new child (sometimes a crossover)
+                parents = list(rng.choice(ids, int(rng.integers(1, 3)), replace=False))
+                nid = s.add_node(parents=parents, artifacts=arts(str(len(ids)), str(rng.choice(["pack circles", "p2"]))))
+                s.add_reward(nid, "score", float(rng.choice([0.1, 0.5, 0.9])))
+                ids.append(nid)
+            elif op == 1:  # a re-score
+                s.add_reward(str(rng.choice(ids)), "score", float(rng.random()))
+            elif op == 2:
+                a, b = rng.choice(ids, 2, replace=False)
+                s.add_comparison(str(a), str(b), preferred=str(rng.choice([a, b])), margin=0.5)
+            elif op == 3:
+                s.set_status(str(rng.choice(ids)), "expanded")
+            else:  # a new edge between existing nodes
+                a, b = rng.choice(ids, 2, replace=False)
+                nid = s.add_node(parents=[str(a), str(b)], artifacts=arts("x"))
+                ids.append(nid)
+
+
+@pytest.mark.parametrize("kind,opts", [
+    ("preference", {}), ("preference", {"group_by": "prompt"}), ("grpo", {}), ("grpo", {"group_by": "prompt"}),
+    ("sft", {"threshold": 0.5}), ("kto", {"threshold": 0.5}), ("stepwise", {"threshold": 0.5}),
+    ("replay", {"size": 5}),
+])
+def test_refresh_equals_rebuild(g: trellisdb.Database, kind: str, opts: dict[str, Any]) -> None:
+    g.create_view("v", kind, reward="reward('score')", **opts)
+    g.materialize("v")
+    rng = np.random.default_rng(hash(kind) % 1000)
+    for step in range(3):
+        grow(g, rng, 12)
+        e = g.refresh("v")
+        assert e["commit"] == g.log()[-1]["id"]
+        spec = views.ViewCatalog(g.path).load().spec("v")
+        rebuilt = views.compute(g, spec, e["commit"])
+        assert g.view("v").to_arrow().equals(rebuilt), f"refresh {step} ({e['how']}) differs from a rebuild"
+        if kind != "replay":
+            assert e["how"].startswith("refreshed")
+
+
+def test_views_are_listed_and_pinned(g: trellisdb.Database) -> None:
+    g.create_view("p", "preference", reward="reward('score')", where="kind IS NULL OR kind <> 'x'")
+    c = g.materialize("p")["commit"]
+    with g.session(task="t1", agent="a") as s:
+        s.add_node(id="Z", parents=["R"], artifacts=arts("Z"))
+        s.add_reward("Z", "score", 0.95)
+    (v,) = g.views()
+    assert v["name"] == "p" and v["commit"] == c and v["rows"] == 6 and "where=" in v["definition"]
+    assert g.refresh("p")["rows"] > 6
+    old = g.materialize("p", as_of=c)
+    assert old["commit"] == c and old["rows"] == 6  # pinned: the same commit gives the same rows
+    again = trellisdb.connect(g.path)  # the catalog is on disk
+    assert again.views()[0]["commit"] == c
+    again.close()
+    g.drop_view("p")
+    assert g.views() == []
+
+
+def test_view_errors(g: trellisdb.Database) -> None:
+    with pytest.raises(trellisdb.ValidationError, match="unknown view kind"):
+        g.create_view("x", "dpo", reward="reward('score')")
+    with pytest.raises(trellisdb.ValidationError, match="needs reward"):
+        g.create_view("x", "grpo")
+    with pytest.raises(trellisdb.ValidationError, match="threshold"):
+        g.create_view("x", "kto", reward="reward('score')")
+    with pytest.raises(trellisdb.ValidationError, match="margin"):
+        g.create_view("x", "preference", reward="reward('score')", margin=float("nan"))
+    with pytest.raises(trellisdb.QueryError, match=r"view 'x'.*nope"):
+        g.create_view("x", "sft", reward="reward('nope')")
+    with pytest.raises(trellisdb.ValidationError, match="unknown view option"):
+        g.create_view("x", "sft", rewrd="reward('score')")
+    with pytest.raises(trellisdb.ValidationError, match="name"):
+        g.create_view("../x", "sft")
+    g.create_view("x", "sft")
+    with pytest.raises(trellisdb.ValidationError, match="exists"):
+        g.create_view("x", "sft")
+    with pytest.raises(trellisdb.ValidationError, match="not materialized"):
+        g.view("x")
+    with pytest.raises(trellisdb.QueryError, match="unknown view 'y'"):
+        g.materialize("y")
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def is_messages(m: Any, roles: tuple[str, ...]) -> bool:
+    return (isinstance(m, list) and [x["role"] for x in m] == list(roles)
+            and all(isinstance(x["content"], str) and x["content"] for x in m))
+
+
+def test_export_layouts(g: trellisdb.Database, tmp_path: Path) -> None:
+    specs = {"sft": {"threshold": 0.5}, "preference": {}, "grpo": {}, "kto": {"threshold": 0.5},
+             "stepwise": {"threshold": 0.5}, "replay": {"size": 3}}
+    for kind, opts in specs.items():
+        g.create_view(kind, kind, reward="reward('score')", **opts)
+        g.materialize(kind)
+    sys_user = ("system", "user")
+    checks = {
+        ("trl", "sft"): lambda r: set(r) == {"messages"} and is_messages(r["messages"], (*sys_user, "assistant")),
+        ("openai", "sft"): lambda r: set(r) == {"messages"} and is_messages(r["messages"], (*sys_user, "assistant")),
+        ("trl", "replay"): lambda r: is_messages(r["messages"], (*sys_user, "assistant")),
+        ("trl", "preference"): lambda r: set(r) == {"prompt", "chosen", "rejected"}
+        and is_messages(r["prompt"], sys_user) and is_messages(r["chosen"], ("assistant",))
+        and is_messages(r["rejected"], ("assistant",)) and r["chosen"] != r["rejected"],
+        ("openai", "preference"): lambda r: set(r) == {"input", "preferred_output", "non_preferred_output"}
+        and is_messages(r["input"]["messages"], sys_user) and is_messages(r["preferred_output"], ("assistant",)),
+        ("trl", "grpo"): lambda r: set(r) == {"prompt"} and is_messages(r["prompt"], sys_user),
+        ("trl", "kto"): lambda r: set(r) == {"prompt", "completion", "label"} and isinstance(r["label"], bool)
+        and isinstance(r["prompt"], str) and isinstance(r["completion"], str),
+        ("trl", "stepwise"): lambda r: set(r) == {"prompt", "completions", "labels"}
+        and len(r["completions"]) == len(r["labels"]) and all(isinstance(x, bool) for x in r["labels"]),
+    }
+    for (fmt, kind), check in checks.items():
+        out = tmp_path / f"{fmt}-{kind}"
+        m = g.export(kind, out, fmt)
+        lines = read_jsonl(out / "train.jsonl")
+        assert len(lines) == m["rows"] == m["counts"]["train"] == g.views()[[v["name"] for v in g.views()].index(kind)]["rows"]
+        assert lines and all(check(r) for r in lines), (fmt, kind, lines[0])
+        # round trips through polars and pyarrow
+        assert pl.read_ndjson(out / "train.jsonl").height == len(lines)
+        assert pajson.read_json(out / "train.jsonl").num_rows == len(lines)
+        man = json.loads((out / "manifest.json").read_text())
+        defn = next(v["definition"] for v in g.views() if v["name"] == kind)
+        assert man["commit"] == g.log()[-1]["id"] and man["definition"] == defn and man["rows"] == len(lines)
+        assert man["view"] == kind and man["format"] == fmt and "provenance.parquet" in man["files"].values()
+        prov = pq.read_table(out / "provenance.parquet")
+        assert prov.num_rows == len(lines) and all(prov["node_ids"].to_pylist())
+        assert kind in (out / "README.md").read_text()
+    pref = read_jsonl(tmp_path / "trl-preference" / "train.jsonl")
+    assert {r["chosen"][0]["content"] for r in pref} >= {"answer A", "answer X"}
+    # parquet: the stored rows plus the resolved texts
+    m = g.export("preference", tmp_path / "pq", "parquet")
+    t = pq.read_table(tmp_path / "pq" / "train.parquet")
+    assert t.num_rows == m["rows"] and {"chosen", "rejected", "prompt", "margin", "node_ids"} <= set(t.column_names)
+    assert pl.read_parquet(tmp_path / "pq" / "train.parquet").height == t.num_rows
+    with pytest.raises(trellisdb.ValidationError, match="no layout for grpo"):
+        g.export("grpo", tmp_path / "o", "openai")
+
+
+def test_export_split_paths_missing_and_empty(g: trellisdb.Database, tmp_path: Path) -> None:
+    g.create_view("k", "kto", reward="reward('score')", threshold=0.5)
+    g.materialize("k")
+    m = g.export("k", tmp_path / "split", "parquet", validation=0.5)
+    t1, t2 = (pq.read_table(tmp_path / "split" / f"{s}.parquet") for s in ("train", "validation"))
+    assert t1.num_rows + t2.num_rows == 9 and set(m["counts"]) == {"train", "validation"}
+    assert not set(t1["task_id"].to_pylist()) & set(t2["task_id"].to_pylist())  # a task on one side only
+    with pytest.raises(trellisdb.ExportError, match="exists"):
+        g.export("k", tmp_path / "split", "parquet")
+    g.export("k", tmp_path / "split", "trl", overwrite=True)
+    assert sorted(p.name for p in (tmp_path / "split").iterdir()) == [
+        "README.md", "manifest.json", "provenance.parquet", "train.jsonl"]
+    # missing texts: the roots have a prompt but no response
+    g.create_view("all", "sft")
+    g.materialize("all")
+    with pytest.raises(trellisdb.ExportError, match=r"2 row\(s\) of view 'all' lack a 'prompt, response' artifact, e\.g\. \['Q', 'R'\]"):
+        g.export("all", tmp_path / "miss", "trl")
+    m = g.export("all", tmp_path / "miss", "trl", skip_missing=True)
+    assert m["skipped_missing_texts"] == 2 and m["rows"] == 9
+    # an empty view: an empty dataset with its manifest
+    g.create_view("none", "sft", reward="reward('score')", threshold=2.0)
+    assert g.materialize("none")["rows"] == 0
+    seen: list[tuple[int, int]] = []
+    m = g.export("none", tmp_path / "empty", "trl", progress=lambda d, n: seen.append((d, n)))
+    assert m["rows"] == 0 and (tmp_path / "empty" / "train.jsonl").read_text() == ""
+    assert json.loads((tmp_path / "empty" / "manifest.json").read_text())["counts"] == {"train": 0}
+
+
+@pytest.mark.skipif(not openevolve.available(), reason="../shared/data is not present")
+def test_openevolve_sibling_preferences(tmp_path: Path) -> None:
+    db = trellisdb.connect(tmp_path / "db")
+    progs = openevolve.load(db, prompts=True)
+    score = {pid: openevolve.numeric_metrics(p).get("combined_score") for pid, (_, p) in progs.items()}
+    parent = {pid: p.get("parent_id") for pid, (_, p) in progs.items()}
+    want = set()
+    for a in progs:
+        for b in progs:
+            pa_, pb = parent[a], parent[b]
+            if pa_ and pa_ == pb and pa_ in progs and score[a] is not None and score[b] is not None and score[a] > score[b]:
+                want.add((a, b))
+    db.create_view("oe", "preference", reward="reward('combined_score')", pairs_from=["siblings"])
+    assert db.materialize("oe")["rows"] == len(want) > 10
+    assert {(r["chosen_id"], r["rejected_id"]) for r in db.view("oe").to_pylist()} == want
+    m = db.export("oe", tmp_path / "oe", "trl", skip_missing=True)
+    lines = read_jsonl(tmp_path / "oe" / "train.jsonl")
+    assert len(lines) == m["rows"] and all(r["chosen"][0]["role"] == "assistant" for r in lines)
+    # GRPO groups: the children of each parent with their combined scores
+    db.create_view("oeg", "grpo", reward="reward('combined_score')")
+    db.materialize("oeg")
+    for r in db.view("oeg").to_pylist():
+        kids = sorted(c for c, p in parent.items() if p == r["group_key"] and score[c] is not None)
+        assert r["node_ids"] == kids
+        assert r["rewards"] == pytest.approx([score[c] for c in kids])
+    db.close()
+
+
+def test_cli_views(g: trellisdb.Database, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from trellisdb.cli import main
+
+    db = ["--db", g.path]
+    g.close()
+    assert main([*db, "create-view", "p", "preference", "-o", "reward=reward('score')", "-o", "margin=0.3",
+                 "-o", 'pairs_from=["siblings"]']) == 0
+    assert main([*db, "materialize", "p"]) == 0
+    assert "6 rows at commit" in capsys.readouterr().out
+    assert main([*db, "views"]) == 0
+    assert "preference(" in capsys.readouterr().out
+    assert main([*db, "export", "p", str(tmp_path / "out"), "--format", "openai"]) == 0
+    assert "wrote 6 rows (train 6)" in capsys.readouterr().out
+    assert len(read_jsonl(tmp_path / "out" / "train.jsonl")) == 6
+    assert main([*db, "export", "p", str(tmp_path / "out")]) == 1
+    assert "exists; pass overwrite=True (or --overwrite)" in capsys.readouterr().err
+    assert main([*db, "refresh", "p"]) == 0
+    assert main([*db, "create-view", "q", "grpo", "-o", "oops"]) == 1

@@ -1,0 +1,282 @@
+"""Exports of materialized views in the layouts trainers read, with a manifest and a dataset card.
+
+``db.export(name, path, format=...)`` writes a folder::
+
+    path/
+      train.jsonl | train.parquet          rows whose task hashes to the train side
+      validation.jsonl | ...               the others (absent when the fraction is 0)
+      provenance.parquet                   split, row, node_ids: the nodes behind every row
+      manifest.json                        view, definition, commit, format, counts, split rule, files
+      README.md                            a short dataset card
+
+Formats and layouts (``trl`` follows the Hugging Face TRL dataset formats,
+conversational where the kind has messages):
+
+=============  ===========================================  ==============================================
+view kind      ``trl``                                      ``openai`` (fine-tuning JSONL)
+=============  ===========================================  ==============================================
+sft            ``messages`` [system?, user, assistant]      ``messages`` (same)
+preference     ``prompt`` [system?, user], ``chosen`` /     ``input.messages``, ``preferred_output`` /
+               ``rejected`` [assistant]                     ``non_preferred_output`` [assistant]
+kto            ``prompt``, ``completion``, ``label``        (none: use trl or parquet)
+stepwise       ``prompt``, ``completions``, ``labels``      (none)
+grpo           ``prompt`` [system?, user] (prompt-only)     (none)
+replay         ``messages`` (as sft)                        ``messages``
+=============  ===========================================  ==============================================
+
+``parquet`` writes the view's rows as stored (hashes, rewards, provenance)
+plus the resolved texts. The split is by task: a task's rows all land on one
+side (``sha256(task_id)`` as a number in [0, 1) below ``validation`` goes to
+validation), so the same task never trains and validates.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import polars as pl
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from trellisdb.errors import ExportError, ValidationError
+
+if TYPE_CHECKING:
+    from trellisdb.database import Database
+
+FORMATS = ("trl", "openai", "parquet")
+#: Rows written per chunk (the progress callback is called after each).
+CHUNK_ROWS = 50_000
+
+#: Per kind: the hash columns whose texts the layouts need (absent texts are errors, or skipped).
+_TEXTS = {
+    "sft": ("prompt_hash", "response_hash"),
+    "preference": ("prompt_hash", "chosen_hash", "rejected_hash"),
+    "grpo": ("prompt_hash",),
+    "kto": ("prompt_hash", "response_hash"),
+    "stepwise": ("prompt_hash", "response_hashes"),
+    "replay": ("prompt_hash", "response_hash"),
+}
+_LAYOUTS = {
+    ("trl", "sft"): "conversational language modeling: messages",
+    ("trl", "replay"): "conversational language modeling: messages",
+    ("trl", "preference"): "conversational preference: prompt, chosen, rejected",
+    ("trl", "kto"): "unpaired preference: prompt, completion, label",
+    ("trl", "stepwise"): "stepwise supervision: prompt, completions, labels",
+    ("trl", "grpo"): "conversational prompt-only: prompt",
+    ("openai", "sft"): "OpenAI supervised fine-tuning: messages",
+    ("openai", "replay"): "OpenAI supervised fine-tuning: messages",
+    ("openai", "preference"): "OpenAI preference fine-tuning: input, preferred_output, non_preferred_output",
+}
+
+
+def export(
+    db: Database,
+    name: str,
+    path: str | os.PathLike[str],
+    format: str = "trl",
+    *,
+    validation: float = 0.0,
+    overwrite: bool = False,
+    skip_missing: bool = False,
+    progress: Callable[[int, int], None] | None = None,
+) -> dict[str, Any]:
+    """Write materialized view ``name`` to folder ``path``; returns the manifest."""
+    from trellisdb import views
+
+    if format not in FORMATS:
+        raise ValidationError(f"unknown export format {format!r}; formats are {', '.join(FORMATS)}")
+    if not (isinstance(validation, int | float) and 0.0 <= validation < 1.0):
+        raise ValidationError(f"validation must be a fraction in [0, 1), not {validation!r}")
+    cat = views.ViewCatalog(db.path).load()
+    spec = cat.spec(name)
+    entry = cat.entries[name]
+    if entry["file"] is None:
+        raise ValidationError(f"view {name!r} is not materialized yet; run db.materialize({name!r}) first")
+    kind = spec.kind
+    if format != "parquet" and (format, kind) not in _LAYOUTS:
+        raise ValidationError(f"format {format!r} has no layout for {kind} views; use 'trl' or 'parquet'")
+    out = os.fspath(path)
+    if os.path.exists(out) and not overwrite:
+        raise ExportError(f"{out} exists; pass overwrite=True (or --overwrite) to replace it")
+    rows = views.read_rows(db, entry)
+    rows, skipped = _with_texts(db, rows, kind, spec, skip_missing, int(entry["commit"]))
+    side = _split(rows, validation)
+    parent = os.path.dirname(os.path.abspath(out)) or "."
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=".trellis-export-", dir=parent)
+    try:
+        files, counts = {}, {}
+        total, done = rows.num_rows, 0
+        prov = []
+        for split in ("train", "validation"):
+            part = rows.filter(pc.equal(side, split))
+            if split == "validation" and validation == 0.0:
+                continue
+            fname = f"{split}.{'parquet' if format == 'parquet' else 'jsonl'}"
+            counts[split] = part.num_rows
+            files[split] = fname
+            prov.append(pa.table({"split": pa.array([split] * part.num_rows, pa.string()),
+                                  "row": pa.array(range(part.num_rows), pa.int64()), "node_ids": part["node_ids"]}))
+            target = os.path.join(tmp, fname)
+            if format == "parquet":
+                pq.write_table(part, target)
+                done += part.num_rows
+                if progress:
+                    progress(done, total)
+                continue
+            with open(target, "wb") as fh:
+                for lo in range(0, max(part.num_rows, 1), CHUNK_ROWS):
+                    chunk = part.slice(lo, CHUNK_ROWS)
+                    if chunk.num_rows:
+                        _layout(format, kind, chunk).write_ndjson(fh)
+                    done += chunk.num_rows
+                    if progress:
+                        progress(done, total)
+        pq.write_table(pa.concat_tables(prov) if prov else pa.table({"split": pa.array([], pa.string())}),
+                       os.path.join(tmp, "provenance.parquet"))
+        manifest = {
+            "view": name,
+            "kind": kind,
+            "definition": entry["definition"],
+            "commit": entry["commit"],
+            "database": os.path.abspath(db.path),
+            "format": format,
+            "layout": _LAYOUTS.get((format, kind), "the view's rows with resolved texts"),
+            "created_at": dt.datetime.now(dt.UTC).isoformat(),
+            "rows": sum(counts.values()),
+            "counts": counts,
+            "skipped_missing_texts": skipped,
+            "split": {"by": "task_id", "rule": "sha256(task_id) as a number in [0, 1) < validation -> validation",
+                      "validation": validation},
+            "files": {**files, "provenance": "provenance.parquet", "card": "README.md"},
+            "provenance": "provenance.parquet: (split, row, node_ids) -- the nodes behind every row",
+        }
+        with open(os.path.join(tmp, "manifest.json"), "w") as fh:
+            json.dump(manifest, fh, indent=1)
+        with open(os.path.join(tmp, "README.md"), "w") as fh:
+            fh.write(_card(manifest))
+        if os.path.exists(out):
+            old = out + ".old-" + os.path.basename(tmp)
+            os.replace(out, old)
+            os.replace(tmp, out)
+            shutil.rmtree(old, ignore_errors=True) if os.path.isdir(old) else os.remove(old)
+        else:
+            os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return manifest
+
+
+def _with_texts(db: Database, rows: pa.Table, kind: str, spec: Any, skip: bool, commit: int) -> tuple[pa.Table, int]:
+    """``rows`` plus a text column per hash column (``system``, ``prompt``, ``response`` ...);
+    rows missing a text the layout needs raise, or are dropped (and counted) with ``skip``."""
+    need = _TEXTS[kind]
+    missing = np.zeros(rows.num_rows, bool)
+    for col in need:
+        c = rows[col].combine_chunks()
+        missing |= pc.is_null(c).to_numpy(zero_copy_only=False)
+        if pa.types.is_list(c.type):  # a trajectory missing one step's text
+            holes = pc.is_null(c.flatten()).to_numpy(zero_copy_only=False)
+            missing[pc.list_parent_indices(c).to_numpy()[holes]] = True
+    mask = pa.array(missing)
+    n_missing = int(missing.sum())
+    if n_missing and not skip:
+        key = "node_id" if "node_id" in rows.column_names else ("chosen_id" if kind == "preference" else "group_key")
+        ids = rows[key].filter(mask).to_pylist()
+        names = {"prompt_hash": spec.prompt, "response_hash": spec.response, "chosen_hash": spec.response,
+                 "rejected_hash": spec.response, "response_hashes": spec.response}
+        roles = ", ".join(sorted({names[c] for c in need}))
+        raise ExportError(
+            f"{n_missing} row(s) of view {spec.name!r} lack a {roles!r} artifact, e.g. {ids[:10]}; add the "
+            f"artifacts, or pass skip_missing=True (--skip-missing) to leave those rows out"
+        )
+    rows = rows.filter(pc.invert(mask))
+    hashes = [c for c in rows.column_names if c.endswith("_hash") or c == "response_hashes"]
+    wanted = pc.unique(pa.concat_arrays([
+        (rows[c].combine_chunks().flatten() if pa.types.is_list(rows[c].type) else rows[c].combine_chunks())
+        for c in hashes
+    ] or [pa.array([], pa.string())]))
+    texts = db._engine.run(db._log.refresh(), commit,
+                           "SELECT hash, decode(content) AS text FROM artifacts_full WHERE hash IN (SELECT h FROM __h)",
+                           relations={"__h": pa.table({"h": pc.drop_null(wanted)})})
+    lookup = pl.from_arrow(texts)
+    assert isinstance(lookup, pl.DataFrame)
+    df = pl.from_arrow(rows)
+    assert isinstance(df, pl.DataFrame)
+    for c in hashes:
+        name = c.removesuffix("_hash").removesuffix("_hashes") + ("s" if c.endswith("_hashes") else "")
+        if c.endswith("_hashes"):
+            m = dict(zip(lookup["hash"].to_list(), lookup["text"].to_list(), strict=True))
+            df = df.with_columns(pl.col(c).list.eval(pl.element().replace_strict(m, default=None)).alias(name))
+        else:
+            df = df.join(lookup.rename({"hash": c, "text": name}), on=c, how="left", maintain_order="left")
+    return df.to_arrow(), int(n_missing)
+
+
+def _split(rows: pa.Table, validation: float) -> pa.Array:
+    """Per row, 'train' or 'validation', by the task's hash (a loop over the distinct tasks)."""
+    tasks = rows["task_id"].combine_chunks() if rows.num_rows else pa.array([], pa.string())
+    uniq = pc.unique(tasks)
+    side = ["validation" if _unit(t) < validation else "train" for t in uniq.to_pylist()]
+    return pa.array(side, pa.string()).take(pc.index_in(tasks, value_set=uniq))
+
+
+def _unit(task: str | None) -> float:
+    h = hashlib.sha256((task or "").encode()).digest()
+    return int.from_bytes(h[:8], "big") / 2**64
+
+
+def _msg(role: str, col: str) -> pl.Expr:
+    return pl.struct(role=pl.lit(role), content=pl.col(col))
+
+
+def _prompt_msgs() -> pl.Expr:
+    sys = pl.when(pl.col("system").is_not_null()).then(_msg("system", "system"))
+    return pl.concat_list([sys, _msg("user", "prompt")]).list.drop_nulls()
+
+
+def _layout(format: str, kind: str, t: pa.Table) -> pl.DataFrame:
+    df = pl.from_arrow(t)
+    assert isinstance(df, pl.DataFrame)
+    if "system" not in df.columns:
+        df = df.with_columns(pl.lit(None, pl.String).alias("system"))
+    if kind in ("sft", "replay"):
+        msgs = pl.concat_list([_prompt_msgs(), pl.concat_list([_msg("assistant", "response")])])
+        return df.select(msgs.alias("messages"))
+    if kind == "preference" and format == "trl":
+        return df.select(_prompt_msgs().alias("prompt"), pl.concat_list([_msg("assistant", "chosen")]).alias("chosen"),
+                         pl.concat_list([_msg("assistant", "rejected")]).alias("rejected"))
+    if kind == "preference":  # openai
+        return df.select(pl.struct(messages=_prompt_msgs()).alias("input"),
+                         pl.concat_list([_msg("assistant", "chosen")]).alias("preferred_output"),
+                         pl.concat_list([_msg("assistant", "rejected")]).alias("non_preferred_output"))
+    if kind == "kto":
+        return df.select(pl.col("prompt"), pl.col("response").alias("completion"), pl.col("label"))
+    if kind == "stepwise":
+        return df.select(pl.col("prompt"), pl.col("responses").alias("completions"), pl.col("labels"))
+    return df.select(_prompt_msgs().alias("prompt"))  # grpo: prompt-only
+
+
+def _card(m: dict[str, Any]) -> str:
+    counts = ", ".join(f"{k}: {v}" for k, v in m["counts"].items()) or "none"
+    return (
+        f"# {m['view']} ({m['kind']})\n\n"
+        f"Exported by trellisdb from `{m['database']}` at commit {m['commit']} on {m['created_at'][:10]}.\n\n"
+        f"- definition: `{m['definition']}`\n"
+        f"- format: {m['format']} -- {m['layout']}\n"
+        f"- rows: {m['rows']} ({counts}); rows skipped for missing texts: {m['skipped_missing_texts']}\n"
+        f"- split: by task, {m['split']['rule']} (validation = {m['split']['validation']})\n"
+        f"- provenance: `provenance.parquet` names the nodes behind every row; `manifest.json` has the rest.\n\n"
+        "Recreate it: materialize the view at the same commit (`db.materialize(name, as_of=commit)`) and export "
+        "again; the rows are the same.\n"
+    )

@@ -1,0 +1,537 @@
+"""Training-data views: experience turned into SFT, preference, GRPO, unpaired, stepwise and replay rows.
+
+A view is declared once (:class:`ViewSpec`, ``db.create_view``), computed by
+DuckDB over a snapshot, and *materialized*: its rows stored beside the
+database pinned to the commit they were computed at (``db.materialize``).
+``db.refresh`` brings it to the latest commit by recomputing only the groups
+and nodes the commits since touched; the result equals a full rebuild.
+Rows hold artifact *hashes*, not texts; ``db.export`` (``views_export.py``)
+resolves them into the layouts trainers read.
+
+Every view starts from the nodes a TQL condition selects (``where``), each
+with a score (``reward``, any TQL expression, e.g. ``reward('correct')``),
+and the node's prompt / response / system artifacts (by role name):
+
+==============  ==============================================================
+kind            one row per
+==============  ==============================================================
+``sft``         node with ``reward >= threshold`` (all selected if no threshold)
+``preference``  (chosen, rejected): siblings (same parent, or same prompt) whose
+                rewards differ by at least ``margin`` (ties never pair), and
+                explicit ``comparisons`` (majority of votes; they override
+                rewards for the pairs they judge); one row per pair
+``grpo``        group (the children of a parent, or the nodes of one prompt)
+                with ``min_size`` members or more: rewards and advantages
+                ``(r - mean) / std`` (population std; 0 when the group has no
+                variance, or the group is dropped with ``drop_zero_variance``)
+``kto``         node, labelled desirable when ``reward >= threshold``
+``stepwise``    trajectory: from each selected node without selected children
+                back to its root along first parents (the smallest parent id),
+                with a label per step (``reward >= threshold``)
+``replay``      sampled node: ``size`` of them without replacement, priority
+                ``|advantage|`` within the parent group (``strategy='advantage'``)
+                or by the group's success-rate bucket (``strategy='bucket'``,
+                ExGRPO-style: medium-difficulty groups first, lower
+                ``entropy`` channel first); deterministic under ``seed``
+==============  ==============================================================
+
+>>> import tempfile, trellisdb
+>>> db = trellisdb.connect(tempfile.mkdtemp() + "/db")
+>>> with db.session(task="t", agent="a") as s:
+...     root = s.add_node(summary="root", artifacts={"prompt": "pack 26 circles"})
+...     for i, score in enumerate([0.2, 0.9, 0.5]):
+...         n = s.add_node(parents=[root], artifacts={"prompt": "pack 26 circles", "response": f"try {i}"})
+...         s.add_reward(n, "score", score)
+>>> v = db.create_view("prefs", "preference", reward="reward('score')", margin=0.35)
+>>> db.materialize("prefs")["rows"]
+2
+>>> sorted(round(r["margin"], 6) for r in db.view("prefs").to_pylist())
+[0.4, 0.7]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+import json
+import math
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from trellisdb.errors import QueryError, TrellisError, ValidationError
+
+if TYPE_CHECKING:
+    from trellisdb.database import Database
+
+KINDS = ("sft", "preference", "grpo", "kto", "stepwise", "replay")
+LINEAGE = ("derived_from", "repair_of", "crossover_of")
+#: Steps a stepwise trajectory follows back at most (a guard against cycles in bad data).
+MAX_DEPTH = 1000
+VIEWS_DIR = "views"
+CATALOG = "views.json"
+_NAME_CHARS = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-")
+
+_S, _D, _I, _B = pa.string(), pa.float64(), pa.int64(), pa.bool_()
+_HASHES = [("system_hash", _S), ("prompt_hash", _S)]
+#: The columns of each kind's rows; ``node_ids`` is the provenance: the nodes behind the row.
+SCHEMAS: dict[str, pa.Schema] = {
+    "sft": pa.schema([("node_id", _S), ("task_id", _S), ("reward", _D), *_HASHES, ("response_hash", _S),
+                      ("node_ids", pa.list_(_S))]),
+    "preference": pa.schema([("chosen_id", _S), ("rejected_id", _S), ("task_id", _S), ("group_key", _S),
+                             ("margin", _D), ("source", _S), *_HASHES, ("chosen_hash", _S),
+                             ("rejected_hash", _S), ("node_ids", pa.list_(_S))]),
+    "grpo": pa.schema([("group_key", _S), ("task_id", _S), ("size", _I), ("mean", _D), ("std", _D), *_HASHES,
+                       ("node_ids", pa.list_(_S)), ("rewards", pa.list_(_D)), ("advantages", pa.list_(_D))]),
+    "kto": pa.schema([("node_id", _S), ("task_id", _S), ("reward", _D), ("label", _B), *_HASHES,
+                      ("response_hash", _S), ("node_ids", pa.list_(_S))]),
+    "stepwise": pa.schema([("node_id", _S), ("task_id", _S), *_HASHES, ("node_ids", pa.list_(_S)),
+                           ("response_hashes", pa.list_(_S)), ("rewards", pa.list_(_D)),
+                           ("labels", pa.list_(_B))]),
+    "replay": pa.schema([("node_id", _S), ("task_id", _S), ("reward", _D), ("group_key", _S),
+                         ("advantage", _D), ("priority", _D), ("sample_rank", _I), *_HASHES,
+                         ("response_hash", _S), ("node_ids", pa.list_(_S))]),
+}
+#: Columns that identify a row (the order rows are stored and compared in).
+ROW_KEYS = {"sft": ("node_id",), "preference": ("chosen_id", "rejected_id"), "grpo": ("group_key",),
+            "kto": ("node_id",), "stepwise": ("node_id",), "replay": ("sample_rank",)}
+
+
+@dataclass(frozen=True)
+class ViewSpec:
+    """A view's definition. ``where`` and ``reward`` are TQL expressions over nodes."""
+
+    name: str
+    kind: str
+    reward: str | None = None
+    where: str | None = None
+    threshold: float | None = None
+    group_by: str = "parent"  # parent | prompt
+    margin: float = 0.0
+    pairs_from: tuple[str, ...] = ("siblings", "comparisons")
+    min_size: int = 2
+    drop_zero_variance: bool = False
+    size: int | None = None
+    strategy: str = "advantage"  # replay: advantage | bucket
+    seed: int = 0
+    entropy: str | None = None  # replay, bucket: the reward channel holding a node's entropy
+    prompt: str = "prompt"
+    response: str = "response"
+    system: str = "system_prompt"
+    via: tuple[str, ...] = LINEAGE
+
+    def __post_init__(self) -> None:
+        for f in ("reward", "where", "entropy", "prompt", "response", "system"):
+            v = getattr(self, f)
+            if not (isinstance(v, str) or (v is None and f in ("reward", "where", "entropy"))):
+                raise ValidationError(f"view option {f} must be a string, not {v!r}")
+        for f in ("seed", "min_size", "size"):
+            v = getattr(self, f)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int)):
+                raise ValidationError(f"view option {f} must be an integer, not {v!r}")
+        for f in ("pairs_from", "via"):
+            v = getattr(self, f)
+            if not isinstance(v, tuple) or not all(isinstance(x, str) for x in v):
+                raise ValidationError(f"view option {f} must be a list of names, not {v!r}")
+        if not isinstance(self.drop_zero_variance, bool):
+            raise ValidationError(f"drop_zero_variance must be True or False, not {self.drop_zero_variance!r}")
+        if not self.name or set(self.name) - _NAME_CHARS:
+            raise ValidationError(f"view name {self.name!r} must be letters, digits, '_' or '-'")
+        if self.kind not in KINDS:
+            raise ValidationError(f"unknown view kind {self.kind!r}; kinds are {', '.join(KINDS)}")
+        if self.reward is None and self.kind != "sft":
+            raise ValidationError(f"a {self.kind} view needs reward=..., e.g. reward=\"reward('score')\"")
+        if self.group_by not in ("parent", "prompt"):
+            raise ValidationError(f"group_by must be 'parent' or 'prompt', not {self.group_by!r}")
+        if not (isinstance(self.margin, int | float) and math.isfinite(self.margin) and self.margin >= 0):
+            raise ValidationError(f"margin must be a finite number >= 0, not {self.margin!r}")
+        if self.threshold is not None and not (isinstance(self.threshold, int | float) and math.isfinite(self.threshold)):
+            raise ValidationError(f"threshold must be a finite number, not {self.threshold!r}")
+        if self.kind in ("kto", "stepwise") and self.threshold is None:
+            raise ValidationError(f"a {self.kind} view needs threshold=... (reward >= threshold is desirable)")
+        if set(self.pairs_from) - {"siblings", "comparisons"} or not self.pairs_from:
+            raise ValidationError(f"pairs_from takes 'siblings' and/or 'comparisons', not {self.pairs_from!r}")
+        if not isinstance(self.min_size, int) or self.min_size < 2:
+            raise ValidationError(f"min_size must be an integer >= 2, not {self.min_size!r}")
+        if self.kind == "replay":
+            if not isinstance(self.size, int) or self.size < 1:
+                raise ValidationError("a replay view needs size=n (how many rows to sample), n >= 1")
+            if self.strategy not in ("advantage", "bucket"):
+                raise ValidationError(f"replay strategy must be 'advantage' or 'bucket', not {self.strategy!r}")
+            if self.strategy == "bucket" and self.threshold is None:
+                raise ValidationError("a bucket replay needs threshold=... (reward >= threshold counts as a success)")
+        bad = set(self.via) - set(LINEAGE) - {"inspired_by", "retrieved", "depends_on"}
+        if bad:
+            raise ValidationError(f"unknown edge kind(s) {sorted(bad)} in via")
+
+    def definition(self) -> str:
+        """The definition as text (kept in the catalog and in every export's manifest)."""
+        d = {k: v for k, v in dataclasses.asdict(self).items() if v != _DEFAULTS.get(k) and k not in ("name", "kind")}
+        args = ", ".join(f"{k}={list(v) if isinstance(v, tuple) else v!r}" for k, v in d.items())
+        return f"{self.kind}({args})"
+
+    def as_dict(self) -> dict[str, Any]:
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(self).items()}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> ViewSpec:
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(d) - known
+        if unknown:
+            raise ValidationError(f"unknown view option(s) {sorted(unknown)}; options are {sorted(known - {'name'})}")
+        args: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v for k, v in d.items()}
+        return cls(**args)
+
+
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(ViewSpec) if f.default is not dataclasses.MISSING}
+
+
+# ------------------------------------------------------------------ SQL
+def _base(db: Database, spec: ViewSpec, snapshot: int) -> tuple[str, dict[str, Any], bool]:
+    """SQL for the selected nodes ``(id, task_id, __reward)``, its parameters, and whether
+    the condition reads other nodes (accessors such as ``children``: no incremental refresh)."""
+    from trellisdb.tql.run import prepare
+
+    reward = spec.reward or "NULL"
+    where = f" WHERE {spec.where}" if spec.where else ""
+    text = f"NODES{where} RETURN id, task_id, ({reward}) AS __reward AS OF COMMIT {snapshot}"
+    try:
+        bound, _plan, compiled = prepare(db, text, {})
+    except QueryError as e:
+        raise type(e)(f"view {spec.name!r}: {e}") from None
+    return compiled.sql, dict(compiled.params), bool(bound.accessors)
+
+
+def _common(spec: ViewSpec, base: str, restrict: bool) -> list[str]:
+    """CTEs every kind starts from: ``a`` (selected nodes with their artifact hashes) and
+    ``g`` (their group memberships: one row per (node, parent) or (node, prompt))."""
+    kinds = ", ".join(f"'{k}'" for k in spec.via)  # validated names, not user text
+    need_reward = spec.kind != "sft" or spec.threshold is not None
+    ctes = [f"b AS (SELECT * FROM ({base}) WHERE {'__reward IS NOT NULL' if need_reward else 'true'})",
+            "art AS (SELECT node_id, name, hash FROM node_artifacts "
+            "WHERE name IN ($__sys, $__prompt, $__resp) AND node_id IN (SELECT id FROM b))",
+            "a AS (SELECT b.id, b.task_id, b.__reward, "
+            "max(art.hash) FILTER (WHERE art.name = $__sys) AS system_hash, "
+            "max(art.hash) FILTER (WHERE art.name = $__prompt) AS prompt_hash, "
+            "max(art.hash) FILTER (WHERE art.name = $__resp) AS response_hash "
+            "FROM b LEFT JOIN art ON art.node_id = b.id GROUP BY b.id, b.task_id, b.__reward)"]
+    if spec.group_by == "parent":
+        ctes.append(f"g0 AS (SELECT a.*, e.src AS grp FROM a JOIN (SELECT DISTINCT src, dst FROM edges "
+                    f"WHERE kind IN ({kinds})) e ON e.dst = a.id)")
+    else:
+        ctes.append("g0 AS (SELECT a.*, a.prompt_hash AS grp FROM a WHERE a.prompt_hash IS NOT NULL)")
+    group_filter = " WHERE grp IN (SELECT grp FROM __dirty_groups)" if restrict else ""
+    ctes.append(f"g AS (SELECT * FROM g0{group_filter})")
+    return ctes
+
+
+def _sql(spec: ViewSpec, base: str, restrict: bool) -> str:
+    """The rows of ``spec``. With ``restrict``, only the groups in ``__dirty_groups`` and
+    the nodes in ``__dirty_nodes`` (``__dirty_leaves`` for stepwise) are computed."""
+    ctes = _common(spec, base, restrict)
+    node_filter = " AND id IN (SELECT id FROM __dirty_nodes)" if restrict else ""
+    kinds = ", ".join(f"'{k}'" for k in spec.via)
+    thr = "$__threshold"
+    head = "WITH "
+    if spec.kind == "sft":
+        cond = f"__reward >= {thr}" if spec.threshold is not None else "true"
+        body = (f"SELECT id AS node_id, task_id, __reward AS reward, system_hash, prompt_hash, response_hash, "
+                f"[id] AS node_ids FROM a WHERE {cond}{node_filter}")
+    elif spec.kind == "kto":
+        body = (f"SELECT id AS node_id, task_id, __reward AS reward, __reward >= {thr} AS label, system_hash, "
+                f"prompt_hash, response_hash, [id] AS node_ids FROM a WHERE true{node_filter}")
+    elif spec.kind == "preference":
+        parts = []
+        if "siblings" in spec.pairs_from:
+            ctes.append(
+                "sib AS (SELECT c.id AS chosen_id, r.id AS rejected_id, min(c.grp) AS group_key, "
+                "any_value(c.__reward - r.__reward) AS margin FROM g c JOIN g r ON c.grp = r.grp "
+                "AND c.__reward > r.__reward AND c.__reward - r.__reward >= $__margin GROUP BY c.id, r.id)"
+            )
+            parts.append("SELECT chosen_id, rejected_id, group_key, margin, 'siblings' AS source FROM sib")
+        if "comparisons" in spec.pairs_from:
+            cfilter = (" AND (c.a IN (SELECT id FROM __dirty_nodes) OR c.b IN (SELECT id FROM __dirty_nodes))"
+                       if restrict else "")
+            ctes.append(
+                "votes AS (SELECT c.preferred AS chosen_id, CASE WHEN c.preferred = c.a THEN c.b ELSE c.a END "
+                "AS rejected_id, c.margin FROM comparisons c WHERE c.preferred IS NOT NULL "
+                "AND c.preferred IN (c.a, c.b) AND c.a <> c.b AND c.a IN (SELECT id FROM a) "
+                f"AND c.b IN (SELECT id FROM a){cfilter})"
+            )
+            ctes.append("tally AS (SELECT chosen_id, rejected_id, count(*) AS n, avg(margin) AS margin "
+                        "FROM votes GROUP BY ALL)")
+            ctes.append("cmp AS (SELECT t.chosen_id, t.rejected_id, t.margin FROM tally t LEFT JOIN tally o "
+                        "ON o.chosen_id = t.rejected_id AND o.rejected_id = t.chosen_id "
+                        "WHERE t.n > coalesce(o.n, 0))")
+            # ties included: a pair the comparisons judged (either way) is theirs to decide
+            ctes.append("judged AS (SELECT a AS x, b AS y FROM comparisons UNION SELECT b, a FROM comparisons)")
+            parts = [p + " WHERE (chosen_id, rejected_id) NOT IN (SELECT x, y FROM judged)" for p in parts]
+            parts.append("SELECT chosen_id, rejected_id, NULL AS group_key, margin, 'comparison' AS source FROM cmp")
+        ctes.append(f"pairs AS ({' UNION ALL '.join(parts)})")
+        body = ("SELECT p.chosen_id, p.rejected_id, c.task_id, p.group_key, p.margin, p.source, c.system_hash, "
+                "c.prompt_hash, c.response_hash AS chosen_hash, r.response_hash AS rejected_hash, "
+                "[p.chosen_id, p.rejected_id] AS node_ids FROM pairs p JOIN a c ON c.id = p.chosen_id "
+                "JOIN a r ON r.id = p.rejected_id")
+    elif spec.kind == "grpo":
+        drop = " AND sd > 0" if spec.drop_zero_variance else ""
+        ctes.append("st AS (SELECT grp, avg(__reward) AS m, stddev_pop(__reward) AS sd, count(*) AS n "
+                    "FROM g GROUP BY grp)")
+        ctes.append(f"gg AS (SELECT g.*, st.m, st.sd, CASE WHEN st.sd > 0 THEN (g.__reward - st.m) / st.sd "
+                    f"ELSE 0.0 END AS adv FROM g JOIN st USING (grp) WHERE st.n >= $__min{drop})")
+        # the group's prompt: the one most members share (ties: the smallest hash)
+        ctes.append("pc AS (SELECT grp, prompt_hash, min(system_hash) AS system_hash, count(*) AS n FROM gg "
+                    "GROUP BY grp, prompt_hash)")
+        ctes.append("gp AS (SELECT grp, arg_min(prompt_hash, (-n, prompt_hash)) AS prompt_hash, "
+                    "arg_min(system_hash, (-n, prompt_hash)) AS system_hash FROM pc GROUP BY grp)")
+        body = ("SELECT gg.grp AS group_key, min(gg.task_id) AS task_id, count(*) AS size, any_value(gg.m) AS mean, "
+                "any_value(gg.sd) AS std, any_value(gp.system_hash) AS system_hash, "
+                "any_value(gp.prompt_hash) AS prompt_hash, list(gg.id ORDER BY gg.id) AS node_ids, "
+                "list(gg.__reward ORDER BY gg.id) AS rewards, list(gg.adv ORDER BY gg.id) AS advantages "
+                "FROM gg JOIN gp USING (grp) GROUP BY gg.grp")
+    elif spec.kind == "stepwise":
+        # first parent = the smallest parent id among the selected nodes; leaves = no selected child
+        ctes.append(f"par AS (SELECT dst AS id, min(src) AS parent FROM edges WHERE kind IN ({kinds}) "
+                    "AND src IN (SELECT id FROM a) AND dst IN (SELECT id FROM a) GROUP BY dst)")
+        leaf_filter = " AND id IN (SELECT id FROM __dirty_leaves)" if restrict else ""
+        ctes.append(f"leaf AS (SELECT id FROM a WHERE id NOT IN (SELECT src FROM edges WHERE kind IN ({kinds}) "
+                    f"AND dst IN (SELECT id FROM a)){leaf_filter})")
+        ctes.append("path AS (SELECT id AS leaf, id, 0 AS depth FROM leaf UNION ALL "
+                    "SELECT p.leaf, par.parent, p.depth + 1 FROM path p JOIN par ON par.id = p.id "
+                    f"WHERE p.depth < {MAX_DEPTH})")
+        head = "WITH RECURSIVE "
+        body = ("SELECT pth.leaf AS node_id, any_value(l.task_id) AS task_id, "
+                "arg_max(s.system_hash, pth.depth) AS system_hash, arg_max(s.prompt_hash, pth.depth) AS prompt_hash, "
+                "list(pth.id ORDER BY pth.depth DESC) AS node_ids, "
+                "list(s.response_hash ORDER BY pth.depth DESC) AS response_hashes, "
+                "list(s.__reward ORDER BY pth.depth DESC) AS rewards, "
+                f"list(s.__reward >= {thr} ORDER BY pth.depth DESC) AS labels "
+                "FROM path pth JOIN a s ON s.id = pth.id JOIN a l ON l.id = pth.leaf GROUP BY pth.leaf")
+    else:  # replay: the candidates, each once (its smallest group), with its group's statistics
+        body = ("SELECT g.id AS node_id, g.task_id, g.__reward AS reward, g.grp AS group_key, "
+                "CASE WHEN st.sd > 0 THEN (g.__reward - st.m) / st.sd ELSE 0.0 END AS advantage, "
+                "st.success, g.system_hash, g.prompt_hash, g.response_hash "
+                "FROM g JOIN (SELECT grp, avg(__reward) AS m, stddev_pop(__reward) AS sd, "
+                f"avg(CASE WHEN __reward >= coalesce({thr}, 0) THEN 1.0 ELSE 0.0 END) AS success FROM g GROUP BY grp) st "
+                "USING (grp) QUALIFY row_number() OVER (PARTITION BY g.id ORDER BY g.grp) = 1")
+    return head + ", ".join(ctes) + " " + body
+
+
+def _params(spec: ViewSpec) -> dict[str, Any]:
+    return {"__sys": spec.system, "__prompt": spec.prompt, "__resp": spec.response, "__threshold": spec.threshold,
+            "__margin": float(spec.margin), "__min": spec.min_size}
+
+
+def _used(sql: str, params: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in params.items() if f"${k}" in sql}
+
+
+def compute(db: Database, spec: ViewSpec, snapshot: int, dirty: Mapping[str, pa.Table] | None = None) -> pa.Table:
+    """The view's rows as of ``snapshot``, sorted by their key (``dirty``: only those groups / nodes)."""
+    base, params, _ = _base(db, spec, snapshot)
+    if spec.kind == "replay":
+        return _replay(db, spec, snapshot, base, params)
+    sql = _sql(spec, base, dirty is not None)
+    params = {**params, **_params(spec)}
+    st = db._log.refresh()
+    rows = db._engine.run(st, snapshot, sql, _used(sql, params), relations=dict(dirty) if dirty else None)
+    return _canonical(spec.kind, rows)
+
+
+def _canonical(kind: str, rows: pa.Table) -> pa.Table:
+    sch = SCHEMAS[kind]
+    rows = pa.table({f.name: rows.column(f.name).cast(f.type) for f in sch}, schema=sch)
+    return rows.sort_by([(k, "ascending") for k in ROW_KEYS[kind]])
+
+
+# ------------------------------------------------------------------ replay
+def _replay(db: Database, spec: ViewSpec, snapshot: int, base: str, params: dict[str, Any]) -> pa.Table:
+    """A prioritized sample without replacement (Efraimidis-Spirakis keys ``u ** (1 / p)``
+    from a generator seeded with ``seed``, over the candidates sorted by id)."""
+    sql = _sql(spec, base, False)
+    all_params = {**params, **_params(spec)}
+    st = db._log.refresh()
+    cand = db._engine.run(st, snapshot, sql, _used(sql, all_params)).sort_by("node_id")
+    n = cand.num_rows
+    if spec.strategy == "advantage":
+        prio = np.abs(cand["advantage"].to_numpy(zero_copy_only=False)) + 1e-6
+    else:
+        success = cand["success"].to_numpy(zero_copy_only=False)
+        prio = np.exp(-((success - 0.5) ** 2) / (2 * 0.2**2))  # medium difficulty first
+        prio[(success <= 0) | (success >= 1)] *= 0.05  # all-fail / all-pass groups rarely
+        if spec.entropy:
+            ent = _channel(db, snapshot, spec.entropy, cand["node_id"])
+            rank = np.argsort(np.argsort(np.nan_to_num(ent, nan=np.inf), kind="stable"), kind="stable")
+            prio = prio * (1.0 - 0.5 * rank / max(1, n - 1))  # lower entropy first
+    rng = np.random.default_rng(spec.seed)
+    keys = rng.random(n) ** (1.0 / prio) if n else np.empty(0)
+    take = np.argsort(-keys, kind="stable")[: spec.size]
+    out = cand.take(pa.array(take, pa.int64()))
+    out = out.append_column("priority", pa.array(prio[take], _D))
+    out = out.append_column("sample_rank", pa.array(np.arange(1, len(take) + 1), _I))
+    out = out.append_column("node_ids", pa.array([[i] for i in out["node_id"].to_pylist()], pa.list_(_S)))
+    return _canonical("replay", out)
+
+
+def _channel(db: Database, snapshot: int, channel: str, ids: pa.ChunkedArray) -> np.ndarray:
+    st = db._log.refresh()
+    t = db._engine.run(st, snapshot, "SELECT node_id, value FROM rewards WHERE channel = $c AND node_id IN "
+                       "(SELECT id FROM __ids)", {"c": channel}, relations={"__ids": pa.table({"id": ids})})
+    joined = pa.table({"node_id": ids}).join(t, "node_id", join_type="left outer")
+    order = pc.index_in(ids, value_set=joined["node_id"].combine_chunks())
+    return joined["value"].take(order).to_numpy(zero_copy_only=False).astype(np.float64)  # type: ignore[no-any-return]
+
+
+# ------------------------------------------------------------------ catalog and storage
+@dataclass
+class ViewCatalog:
+    """``<db>/views.json``: definitions and, per materialized view, its commit, row count and file."""
+
+    root: str
+    entries: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    @property
+    def path(self) -> str:
+        return os.path.join(self.root, CATALOG)
+
+    def load(self) -> ViewCatalog:
+        if not os.path.exists(self.path):
+            self.entries = {}
+            return self
+        try:
+            with open(self.path) as fh:
+                self.entries = json.load(fh)["views"]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise TrellisError(f"{self.path} is unreadable ({e}); restore it from a backup or remove it "
+                               "(the views' definitions are lost, the data is not)") from e
+        return self
+
+    def save(self) -> None:
+        tmp = self.path + ".tmp"
+        with open(tmp, "w") as fh:
+            json.dump({"views": self.entries}, fh, indent=1, default=str)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, self.path)
+
+    def spec(self, name: str) -> ViewSpec:
+        e = self.entries.get(name)
+        if e is None:
+            known = ", ".join(sorted(self.entries)) or "none yet"
+            raise QueryError(f"unknown view {name!r}; views: {known} (create one with db.create_view)")
+        return ViewSpec.from_dict(e["spec"])
+
+
+def _write_rows(db: Database, name: str, rows: pa.Table, commit: int) -> str:
+    d = os.path.join(db.path, VIEWS_DIR)
+    os.makedirs(d, exist_ok=True)
+    rel = os.path.join(VIEWS_DIR, f"{name}.{commit}.parquet")
+    tmp = os.path.join(db.path, rel + ".tmp")
+    pq.write_table(rows, tmp)
+    with open(tmp, "rb") as fh:
+        os.fsync(fh.fileno())
+    os.replace(tmp, os.path.join(db.path, rel))
+    return rel
+
+
+def read_rows(db: Database, entry: Mapping[str, Any]) -> pa.Table:
+    path = os.path.join(db.path, entry["file"])
+    try:
+        return pq.read_table(path)
+    except (OSError, pa.ArrowInvalid) as e:
+        raise TrellisError(f"the rows of view {entry['spec']['name']!r} ({path}) are unreadable ({e}); "
+                           "run db.materialize(name) to recompute them") from e
+
+
+def store(db: Database, cat: ViewCatalog, spec: ViewSpec, rows: pa.Table, commit: int, how: str) -> dict[str, Any]:
+    """Record ``rows`` as the view's materialization at ``commit`` (file first, then the catalog)."""
+    old = cat.entries.get(spec.name, {}).get("file")
+    rel = _write_rows(db, spec.name, rows, commit)
+    entry = {"spec": spec.as_dict(), "definition": spec.definition(), "commit": commit, "rows": rows.num_rows,
+             "file": rel, "computed_at": dt.datetime.now(dt.UTC).isoformat(), "how": how}
+    cat.entries[spec.name] = entry
+    cat.save()
+    if old and old != rel:
+        with _ignore_missing():
+            os.remove(os.path.join(db.path, old))
+    return entry
+
+
+class _ignore_missing:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, typ: type[BaseException] | None, *_: object) -> bool:
+        return typ is not None and issubclass(typ, FileNotFoundError)
+
+
+# ------------------------------------------------------------------ refresh
+def changed_since(db: Database, since: int, upto: int) -> pa.Table:
+    """Nodes the commits in ``(since, upto]`` touched: written, rewarded, given artifacts,
+    joined by an edge (either end) or compared."""
+    sql = " UNION ".join(
+        f"SELECT {col} AS id FROM {t}_history WHERE commit_id > {int(since)}"
+        for t, col in (("nodes", "id"), ("rewards", "node_id"), ("node_artifacts", "node_id"), ("edges", "src"),
+                       ("edges", "dst"), ("comparisons", "a"), ("comparisons", "b"))
+    )
+    return db._engine.run(db._log.refresh(), upto, sql)
+
+
+def refresh_rows(db: Database, spec: ViewSpec, old: pa.Table, since: int, upto: int) -> tuple[pa.Table, str]:
+    """The view at ``upto`` from its rows at ``since``: rows behind the touched nodes and groups
+    are recomputed, the rest kept. Views that cannot be refreshed by parts are rebuilt."""
+    _, _, global_condition = _base(db, spec, upto)
+    if spec.kind == "replay" or global_condition:
+        why = "a replay samples the whole view" if spec.kind == "replay" else "its condition reads other nodes"
+        return compute(db, spec, upto), f"rebuilt ({why})"
+    changed = changed_since(db, since, upto)
+    if changed.num_rows == 0:
+        return old, "unchanged"
+    ids = changed["id"].combine_chunks()
+    st = db._log.refresh()
+    kinds = ", ".join(f"'{k}'" for k in spec.via)
+    rel = {"__changed": pa.table({"id": ids})}
+    # groups the touched nodes are in now (the old rows name the groups they were in)
+    if spec.group_by == "parent":
+        now = db._engine.run(st, upto, f"SELECT DISTINCT src AS grp FROM edges WHERE kind IN ({kinds}) "
+                             "AND dst IN (SELECT id FROM __changed)", relations=rel)
+    else:
+        now = db._engine.run(st, upto, "SELECT DISTINCT hash AS grp FROM node_artifacts WHERE name = $p "
+                             "AND node_id IN (SELECT id FROM __changed)", {"p": spec.prompt}, relations=rel)
+    touched = _touches(old, ids)
+    groups = now["grp"].combine_chunks()
+    if "group_key" in old.column_names:
+        groups = pc.unique(pa.concat_arrays([groups.cast(_S), pc.drop_null(old["group_key"].filter(touched))
+                                             .combine_chunks().cast(_S)]))
+        touched = pc.or_(touched, pc.fill_null(pc.is_in(old["group_key"], value_set=groups), False))
+    dirty: dict[str, pa.Table] = {"__dirty_nodes": pa.table({"id": ids}), "__dirty_groups": pa.table({"grp": groups})}
+    if spec.kind == "stepwise":
+        # trajectories through a touched node: their leaves, old and new (descendants of the touched)
+        leaves = db._engine.run(
+            st, upto,
+            f"WITH RECURSIVE d AS (SELECT id, 0 AS h FROM __changed UNION SELECT e.dst, d.h + 1 FROM d "
+            f"JOIN edges e ON e.src = d.id AND e.kind IN ({kinds}) WHERE d.h < {MAX_DEPTH}) SELECT DISTINCT id FROM d",
+            relations=rel,
+        )["id"].combine_chunks()
+        old_leaves = old["node_id"].filter(touched).combine_chunks()
+        dirty["__dirty_leaves"] = pa.table({"id": pc.unique(pa.concat_arrays([leaves, old_leaves]))})
+        touched = pc.or_(touched, pc.is_in(old["node_id"], value_set=dirty["__dirty_leaves"]["id"]))
+    fresh = compute(db, spec, upto, dirty)
+    kept = old.filter(pc.invert(touched))
+    out = pa.concat_tables([kept, fresh.cast(kept.schema)])
+    return _canonical(spec.kind, out), f"refreshed ({len(ids)} touched nodes, {fresh.num_rows} rows recomputed)"
+
+
+def _touches(rows: pa.Table, ids: pa.Array) -> pa.ChunkedArray:
+    """Per row: whether any of its provenance nodes is in ``ids``."""
+    col = rows["node_ids"].combine_chunks()
+    flat = pc.is_in(col.flatten(), value_set=ids)
+    parent = pc.list_parent_indices(col)
+    hit = np.zeros(rows.num_rows, bool)
+    hit[parent.to_numpy()[flat.to_numpy(zero_copy_only=False)]] = True
+    return pa.chunked_array([pa.array(hit)])
