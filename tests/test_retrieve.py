@@ -191,6 +191,36 @@ def test_index_builds_in_the_background_once_a_space_is_big(tmp_path: Path, monk
     db.close()
 
 
+def test_a_retrain_commits_while_writers_keep_committing(tmp_path: Path) -> None:
+    import threading
+
+    x = clustered(1500, 8, 8, seed=3)
+    db = trellisdb.connect(tmp_path / "db", embedding_dim=8, auto_index=False)
+    ingest_nodes(db, x, 1500)
+    stop = threading.Event()
+    commits = []
+
+    def write() -> None:  # one commit after another into the same table, as a busy agent does
+        s = db.session(task="t", agent="w")
+        while not stop.is_set():
+            with db.transaction():
+                s.add_node(summary="w", embedding=-x[len(commits) % 1500])
+            commits.append(1)
+
+    th = threading.Thread(target=write)
+    th.start()
+    try:
+        for _ in range(2):  # a create, then a retrain over the new rows
+            st = db.build_index()
+            assert st["state"] == "indexed", st
+    finally:
+        stop.set()
+        th.join()
+    assert len(commits) > 5 and db.index_status()[0]["builds"] == 2
+    assert seeds(db.query("RETRIEVE 3 SIMILAR TO $q", q=x[5]))[0] == "n5"
+    db.close()
+
+
 def test_expansion_on_a_multi_parent_graph(g: trellisdb.Database) -> None:
     # g (conftest): r -> a, b; a, b -> c (crossover); a -> d; b -> e; e inspired_by -> r; x alone
     db = g

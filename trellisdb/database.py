@@ -232,7 +232,7 @@ class Database:
         self.auto_index = auto_index
         self._spaces = SpaceRegistry(os.path.join(path, SPACES_FILE), self.embedding_dim)
         self._embedders: dict[tuple[str, str], Embedder] = {}
-        self._indexer = IndexMaintainer(lambda t: self._tables.dataset(t), dict(TEXT_COLUMN))
+        self._indexer = IndexMaintainer(lambda t: self._tables.dataset(t), dict(TEXT_COLUMN), self._lock.held)
         _open_dbs.add(self)
 
     # ------------------------------------------------------------------ writing

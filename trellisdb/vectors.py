@@ -439,13 +439,21 @@ class IndexMaintainer:
 
     ``poke(space)`` after a commit that wrote vectors checks the counts (a
     metadata read) and queues a job if one is needed; the thread opens its own
-    dataset handle and commits the index next to concurrent writes, retrying
-    when a compaction got in first.
+    dataset handle and trains a new index aside (``create_index_uncommitted``,
+    no lock), then commits it holding the writer lock for the manifest write
+    alone, so a stream of appends cannot starve the commit; incremental
+    updates commit next to concurrent writes, retrying on a conflict.
     """
 
-    def __init__(self, open_ds: Callable[[str], Any], text_columns: dict[str, str]) -> None:
+    def __init__(
+        self, open_ds: Callable[[str], Any], text_columns: dict[str, str],
+        commit_lock: Callable[[], contextlib.AbstractContextManager[None]] = contextlib.nullcontext,
+    ) -> None:
         self._open = open_ds
         self._text = text_columns
+        #: held around the commit of a (re)trained index only: writers wait for the manifest
+        #: write, not for the build, and the commit never races an append
+        self._commit_lock = commit_lock
         self._lock = threading.Lock()
         self._states: dict[tuple[str, str], IndexState] = {}
         self._queue: dict[tuple[str, str], tuple[Space, str]] = {}
@@ -523,10 +531,14 @@ class IndexMaintainer:
                         rows = ds.count_rows(filter=f"{space.column} IS NOT NULL")
                     if job == "update" and idx is not None:
                         ds.optimize.optimize_indices(index_names=[idx["name"]])
-                    else:
+                    else:  # built aside over the fragments there now, then committed under the writer lock
                         parts = partitions_for(rows)
-                        ds.create_index(space.column, index_type="IVF_SQ", metric="cosine", num_partitions=parts,
-                                        replace=True)
+                        name = idx["name"] if idx is not None else f"{space.column}_idx"
+                        frags = [f.fragment_id for f in ds.get_fragments()]
+                        seg = ds.create_index_uncommitted(space.column, "IVF_SQ", metric="cosine", num_partitions=parts,
+                                                          fragment_ids=frags, replace=True, name=name)
+                        with self._commit_lock():
+                            self._open_fresh(space.table).commit_existing_index_segments(name, space.column, [seg])
                         st.partitions = parts
                     text = self._text.get(space.table)
                     if text is not None:  # the table's full-text index rides along
