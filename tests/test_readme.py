@@ -56,3 +56,25 @@ def test_cross_session_reuse_example(tmp_path: Path, monkeypatch: pytest.MonkeyP
         db2.close()
     scope["db"].close()  # type: ignore[attr-defined]
     assert os.path.isdir("runs.db")
+
+
+def test_training_data_example(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import json
+
+    monkeypatch.chdir(tmp_path)
+    db = trellisdb.connect("runs.db")
+    with db.session(task="circle-packing", agent="openevolve") as s:
+        root = s.add_node(status="evaluated", artifacts={"prompt": "pack 26 circles", "response": "start"})
+        for i, score in enumerate([0.31, 0.52, 0.90, 0.52]):
+            kid = s.add_node(parents=[root], status="evaluated",
+                             artifacts={"prompt": "pack 26 circles", "response": f"program {i}"})
+            s.add_reward(kid, "combined_score", score)
+    scope: dict[str, object] = {"db": db}
+    exec(compile(example("Training data: views over the experience, materialized and exported"), "README.md", "exec"),
+         scope)
+    lines = [json.loads(x) for x in (tmp_path / "out" / "pairs" / "train.jsonl").read_text().splitlines()]
+    assert len(lines) == 5  # .9 > .52 (twice), .9 > .31, .52 > .31 (twice); the .52 tie never pairs
+    assert all(set(r) == {"prompt", "chosen", "rejected"} for r in lines)
+    manifest = json.loads((tmp_path / "out" / "pairs" / "manifest.json").read_text())
+    assert manifest["rows"] == 5 and manifest["view"] == "pairs"
+    db.close()
