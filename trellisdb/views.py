@@ -231,6 +231,16 @@ def _common(spec: ViewSpec, base: str, restrict: bool) -> list[str]:
     return ctes
 
 
+#: Per group: mean, population std, size and success rate, summed in id order over a sorted
+#: list, so a group's figures are the same to the last bit whichever query computes them
+#: (a parallel avg() adds in arrival order: a refresh would differ from a rebuild in the last bit).
+_GROUP_STATS = (
+    "SELECT grp, list_avg(rs) AS m, list_aggregate(rs, 'stddev_pop') AS sd, len(rs) AS n, "
+    "list_avg(list_transform(rs, lambda x: CASE WHEN x >= coalesce($__threshold, 0) THEN 1.0 ELSE 0.0 END)) "
+    "AS success FROM (SELECT grp, list(__reward ORDER BY id) AS rs FROM g GROUP BY grp)"
+)
+
+
 def _sql(spec: ViewSpec, base: str, restrict: bool) -> str:
     """The rows of ``spec``. With ``restrict``, only the groups in ``__dirty_groups`` and
     the nodes in ``__dirty_nodes`` (``__dirty_leaves`` for stepwise) are computed."""
@@ -264,8 +274,8 @@ def _sql(spec: ViewSpec, base: str, restrict: bool) -> str:
                 "AND c.preferred IN (c.a, c.b) AND c.a <> c.b AND c.a IN (SELECT id FROM a) "
                 f"AND c.b IN (SELECT id FROM a){cfilter})"
             )
-            ctes.append("tally AS (SELECT chosen_id, rejected_id, count(*) AS n, avg(margin) AS margin "
-                        "FROM votes GROUP BY ALL)")
+            ctes.append("tally AS (SELECT chosen_id, rejected_id, count(*) AS n, "
+                        "list_avg(list(margin ORDER BY margin)) AS margin FROM votes GROUP BY ALL)")
             ctes.append("cmp AS (SELECT t.chosen_id, t.rejected_id, t.margin FROM tally t LEFT JOIN tally o "
                         "ON o.chosen_id = t.rejected_id AND o.rejected_id = t.chosen_id "
                         "WHERE t.n > coalesce(o.n, 0))")
@@ -280,8 +290,7 @@ def _sql(spec: ViewSpec, base: str, restrict: bool) -> str:
                 "JOIN a r ON r.id = p.rejected_id")
     elif spec.kind == "grpo":
         drop = " AND sd > 0" if spec.drop_zero_variance else ""
-        ctes.append("st AS (SELECT grp, avg(__reward) AS m, stddev_pop(__reward) AS sd, count(*) AS n "
-                    "FROM g GROUP BY grp)")
+        ctes.append(f"st AS ({_GROUP_STATS})")
         ctes.append(f"gg AS (SELECT g.*, st.m, st.sd, CASE WHEN st.sd > 0 THEN (g.__reward - st.m) / st.sd "
                     f"ELSE 0.0 END AS adv FROM g JOIN st USING (grp) WHERE st.n >= $__min{drop})")
         # the group's prompt: the one most members share (ties: the smallest hash)
@@ -316,8 +325,7 @@ def _sql(spec: ViewSpec, base: str, restrict: bool) -> str:
         body = ("SELECT g.id AS node_id, g.task_id, g.__reward AS reward, g.grp AS group_key, "
                 "CASE WHEN st.sd > 0 THEN (g.__reward - st.m) / st.sd ELSE 0.0 END AS advantage, "
                 "st.success, g.system_hash, g.prompt_hash, g.response_hash "
-                "FROM g JOIN (SELECT grp, avg(__reward) AS m, stddev_pop(__reward) AS sd, "
-                f"avg(CASE WHEN __reward >= coalesce({thr}, 0) THEN 1.0 ELSE 0.0 END) AS success FROM g GROUP BY grp) st "
+                f"FROM g JOIN ({_GROUP_STATS}) st "
                 "USING (grp) QUALIFY row_number() OVER (PARTITION BY g.id ORDER BY g.grp) = 1")
     return head + ", ".join(ctes) + " " + body
 
@@ -514,7 +522,9 @@ def refresh_rows(db: Database, spec: ViewSpec, old: pa.Table, since: int, upto: 
         # trajectories through a touched node: their leaves, old and new (descendants of the touched)
         leaves = db._engine.run(
             st, upto,
-            f"WITH RECURSIVE d AS (SELECT id, 0 AS h FROM __changed UNION SELECT e.dst, d.h + 1 FROM d "
+            # from the touched nodes and their parents (a parent stops being a leaf when a child is selected)
+            f"WITH RECURSIVE d AS (SELECT id, 0 AS h FROM __changed UNION SELECT src, 0 FROM edges "
+            f"WHERE kind IN ({kinds}) AND dst IN (SELECT id FROM __changed) UNION SELECT e.dst, d.h + 1 FROM d "
             f"JOIN edges e ON e.src = d.id AND e.kind IN ({kinds}) WHERE d.h < {MAX_DEPTH}) SELECT DISTINCT id FROM d",
             relations=rel,
         )["id"].combine_chunks()

@@ -11,11 +11,14 @@ per grammar rule (``tests/test_tql_parse.py`` checks that none is missing).
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 from dataclasses import dataclass
 from typing import Any
 
 from lark import Token, Transformer, v_args
+
+from trellisdb.errors import QuerySyntaxError
 
 
 @dataclass(frozen=True)
@@ -219,12 +222,30 @@ class Retrieve:
     span: Span = NO_SPAN
 
 
+@dataclass(frozen=True)
+class ViewCommand:
+    """CREATE VIEW / MATERIALIZE / REFRESH / EXPORT / DROP VIEW / SHOW VIEWS (``trellisdb/views.py``).
+    ``options`` hold literal values, names as text, lists, and -- for ``reward`` -- the
+    expression's TQL text; ``where`` is the condition's text."""
+
+    action: str  # create | materialize | refresh | export | drop | show
+    name: str | None = None
+    kind: str | None = None
+    where: str | None = None
+    options: tuple[tuple[str, Any], ...] = ()
+    replace: bool = False
+    path: Value | None = None
+    format: str | None = None
+    as_of: AsOf | None = None
+    span: Span = NO_SPAN
+
+
 Statement = Select | Frontier | Lineage | Siblings | PathQuery | Retrieve
 
 
 @dataclass(frozen=True)
 class Query:
-    statement: Statement
+    statement: Statement | ViewCommand
     as_of: AsOf | None
     explain: bool
     text: str
@@ -258,6 +279,31 @@ def _clauses(items: list[Any]) -> dict[str, Any]:
     return out
 
 
+def _has_param(e: Any) -> bool:
+    if isinstance(e, Param):
+        return True
+    if dataclasses.is_dataclass(e):
+        return any(_has_param(getattr(e, f.name)) for f in dataclasses.fields(e))
+    if isinstance(e, tuple | list):
+        return any(_has_param(x) for x in e)
+    return False
+
+
+def _option_value(v: Any, text: str) -> Any:
+    """A view option's value: a literal's value, a bare name as text, a list of those."""
+    if isinstance(v, tuple) and v and v[0] == "@list":
+        return list(v[1])
+    if isinstance(v, Literal):
+        return v.value
+    if isinstance(v, Column):
+        return v.name
+    if isinstance(v, Param):
+        raise QuerySyntaxError(f"a view is stored, so its options cannot be parameters (${v.name}); write the value")
+    span = getattr(v, "span", NO_SPAN)
+    raise QuerySyntaxError(f"view option value {text[span.start:span.end]!r} must be a number, text, true/false, "
+                           "a name or a [list]")
+
+
 @v_args(meta=True)
 class ToAst(Transformer[Token, Any]):
     """One method per grammar rule or alias."""
@@ -269,12 +315,69 @@ class ToAst(Transformer[Token, Any]):
     # -- statements
     def start(self, meta: Any, items: list[Any]) -> Query:
         explain = any(i == "@explain" for i in items)
-        stmt = next(i for i in items if isinstance(i, Select | Frontier | Lineage | Siblings | PathQuery | Retrieve))
+        stmt = next(i for i in items if isinstance(i, Select | Frontier | Lineage | Siblings | PathQuery | Retrieve
+                                                   | ViewCommand))
         as_of = next((i for i in items if isinstance(i, AsOf)), None)
         return Query(stmt, as_of, explain, self.text)
 
     def explain(self, meta: Any, items: list[Any]) -> str:
         return "@explain"
+
+    # -- training-data views
+    def _source(self, e: Any) -> str:
+        """The TQL text of an expression as written (a view keeps its definition as text)."""
+        if _has_param(e):
+            raise QuerySyntaxError(
+                f"a view is stored, so it cannot use parameters ({self.text[e.span.start:e.span.end]!r}); "
+                "write the value into the definition"
+            )
+        return self.text[e.span.start:e.span.end]
+
+    def create_view(self, meta: Any, items: list[Any]) -> ViewCommand:
+        c = _clauses(items)
+        names = [i for i in _kw(items) if isinstance(i, str) and not i.startswith("@")]
+        opts = tuple(c.get("with", ()))
+        return ViewCommand("create", names[0], names[1].lower(), self._source(c["where"]) if "where" in c else None,
+                           opts, "replace" in c, span=_span(meta))
+
+    def or_replace(self, meta: Any, items: list[Any]) -> tuple[str, bool]:
+        return ("@replace", True)
+
+    def view_with(self, meta: Any, items: list[Any]) -> tuple[str, list[tuple[str, Any]]]:
+        return ("@with", list(_kw(items)))
+
+    def view_opt(self, meta: Any, items: list[Any]) -> tuple[str, Any]:
+        name, op, value = items[0], items[1], items[2]
+        if str(op) != "=":
+            raise QuerySyntaxError(f"a view option is NAME = VALUE, not {name} {op} ...")
+        if name == "reward":
+            return (name, self._source(value))
+        return (name, _option_value(value, self.text))
+
+    def view_list(self, meta: Any, items: list[Any]) -> tuple[str, list[Any]]:
+        return ("@list", [_option_value(i, self.text) for i in items if i is not None])
+
+    def export_format(self, meta: Any, items: list[Any]) -> tuple[str, str]:
+        return ("@format", str(_kw(items)[0]).lower())
+
+    def materialize_view(self, meta: Any, items: list[Any]) -> ViewCommand:
+        as_of = next((i for i in items if isinstance(i, AsOf)), None)
+        return ViewCommand("materialize", _kw(items)[0], as_of=as_of, span=_span(meta))
+
+    def refresh_view(self, meta: Any, items: list[Any]) -> ViewCommand:
+        return ViewCommand("refresh", _kw(items)[0], span=_span(meta))
+
+    def export_view(self, meta: Any, items: list[Any]) -> ViewCommand:
+        c = _clauses(items)
+        kw = _kw(items)
+        return ViewCommand("export", kw[0], path=kw[1], format=c.get("format"), options=tuple(c.get("with", ())),
+                           span=_span(meta))
+
+    def drop_view(self, meta: Any, items: list[Any]) -> ViewCommand:
+        return ViewCommand("drop", _kw(items)[0], span=_span(meta))
+
+    def show_views(self, meta: Any, items: list[Any]) -> ViewCommand:
+        return ViewCommand("show", span=_span(meta))
 
     def select(self, meta: Any, items: list[Any]) -> Select:
         c = _clauses(items)

@@ -357,6 +357,8 @@ def resolve(q: A.Query, catalog: Catalog, params: Mapping[str, Any] | None = Non
     """Check ``q`` against ``catalog`` and bind ``params``; see the module docs."""
     r = Resolver(catalog, params or {})
     s = q.statement
+    if isinstance(s, A.ViewCommand):
+        raise QueryError(f"{s.action.upper()} is a view statement: run it with db.query, it has no plan")
     snapshot = r.as_of(q.as_of)
     stmt: A.Statement
     if isinstance(s, A.Select):

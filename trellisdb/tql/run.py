@@ -5,6 +5,7 @@ This is the stage that touches the database; the others are pure functions.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -17,7 +18,7 @@ from trellisdb.tql import ast as A
 from trellisdb.tql.compile import Compiled, compile_plan
 from trellisdb.tql.parser import parse
 from trellisdb.tql.plan import Plan, build
-from trellisdb.tql.resolve import LINEAGE_KINDS, Bound, Catalog, resolve
+from trellisdb.tql.resolve import LINEAGE_KINDS, Bound, Catalog, Resolver, resolve
 from trellisdb.tql.retrieve import describe_search, expand, vector_step
 
 if TYPE_CHECKING:
@@ -40,13 +41,25 @@ class QueryResult(Result):
         self._db = db
         self._bound = bound
 
+    @classmethod
+    def of_command(cls, table: pa.Table, db: Database) -> QueryResult:
+        """The answer to a view statement (CREATE VIEW, MATERIALIZE, ...): a table, no plan."""
+        self = cls.__new__(cls)
+        Result.__init__(self, table, sql=None)
+        self.params, self.plan, self.search = {}, None, None  # type: ignore[assignment]
+        self.snapshot = db._log.refresh().last_committed
+        self._db, self._bound = db, None  # type: ignore[assignment]
+        return self
+
     def explain(self) -> str:
         """The logical plan, the vector step (RETRIEVE), the SQL and DuckDB's physical plan."""
+        if self._bound is None:
+            raise QueryError("a view statement has no plan to explain")
         return explain_text(self._db, self._bound, self.plan, Compiled(self.sql or "", self.params), self.search)
 
     def edges(self) -> pa.Table:
         """The edges (src, dst, kind) between the result's nodes, as of the query's snapshot."""
-        if "id" not in self.columns or getattr(self._bound.statement, "entity", "nodes") != "nodes":
+        if self._bound is None or "id" not in self.columns or getattr(self._bound.statement, "entity", "nodes") != "nodes":
             raise QueryError("edges() needs a result of nodes with an id column (e.g. RETRIEVE, LINEAGE, FRONTIER)")
         ids = pa.table({"id": self._table.column("id").cast(pa.string())})
         st = self._db._log.refresh()
@@ -123,7 +136,44 @@ def explain_text(db: Database, bound: Bound, plan: Plan, compiled: Compiled, sea
     )
 
 
+def view_command(db: Database, c: A.ViewCommand, params: Mapping[str, Any]) -> QueryResult:
+    """CREATE VIEW / MATERIALIZE / REFRESH / EXPORT / DROP VIEW / SHOW VIEWS: the database's
+    view methods (``trellisdb/views.py``), answered with a one-row table (SHOW: one per view)."""
+    assert c.name is not None or c.action == "show"
+    name = c.name or ""
+    if c.action == "show":
+        vs = db.views()
+        return QueryResult.of_command(
+            pa.Table.from_pylist(vs) if vs else pa.table({"name": pa.array([], pa.string())}), db)
+    if c.action == "create":
+        opts = dict(c.options)
+        if c.where is not None:
+            opts["where"] = c.where
+        entry = db.create_view(name, c.kind or "", replace=c.replace, **opts)
+    elif c.action == "materialize":
+        commit = Resolver(catalog(db), params).as_of(c.as_of) if c.as_of is not None else None
+        entry = db.materialize(name, as_of=commit)
+    elif c.action == "refresh":
+        entry = db.refresh(name)
+    elif c.action == "export":
+        assert isinstance(c.path, A.Literal)
+        if not isinstance(c.path.value, str):
+            raise QueryError("EXPORT ... TO takes a path in quotes, e.g. EXPORT pairs TO 'out/pairs'")
+        m = db.export(name, c.path.value, c.format or "trl", **dict(c.options))
+        entry = {"name": name, "path": c.path.value, "format": m["format"], "commit": m["commit"], "rows": m["rows"],
+                 "counts": json.dumps(m["counts"]), "layout": m["layout"]}
+    else:
+        db.drop_view(name)
+        entry = {"name": name, "dropped": True}
+    row = {k: v for k, v in entry.items() if k not in ("spec", "file")}
+    row.setdefault("name", name)
+    return QueryResult.of_command(pa.Table.from_pylist([row]), db)
+
+
 def run(db: Database, text: str, params: Mapping[str, Any]) -> QueryResult:
+    q = parse(text)
+    if isinstance(q.statement, A.ViewCommand):
+        return view_command(db, q.statement, params)
     bound, plan, compiled = prepare(db, text, params)
     st = db._log.refresh()
     if bound.query.explain:
