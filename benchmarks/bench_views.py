@@ -35,7 +35,6 @@ sys.path.insert(0, HERE)
 
 import duckdb  # noqa: E402
 import numpy as np  # noqa: E402
-import polars as pl  # noqa: E402
 import pyarrow as pa  # noqa: E402
 import pyarrow.parquet as pq  # noqa: E402
 from generator import ExperienceGraph, GeneratorConfig  # noqa: E402

@@ -780,13 +780,10 @@ class Database:
             cat = views.ViewCatalog(self.path).load()
             if name in cat.entries and not replace:
                 raise ValidationError(f"view {name!r} exists; pass replace=True to redefine it (its rows go)")
-            old = cat.entries.get(name, {}).get("file")
             cat.entries[name] = {"spec": spec.as_dict(), "definition": spec.definition(), "commit": None,
-                                 "rows": None, "file": None}
+                                 "rows": None, "file": None, "version": None}
             cat.save()
-            if old:
-                with contextlib.suppress(FileNotFoundError):
-                    os.remove(os.path.join(self.path, old))
+            views.remove(self, name)
         return dict(cat.entries[name])
 
     def views(self) -> list[dict[str, Any]]:
@@ -816,19 +813,27 @@ class Database:
         from trellisdb import views
 
         self.flush()
-        cat = views.ViewCatalog(self.path).load()
-        spec = cat.spec(name)
-        entry = cat.entries[name]
-        upto = self._log.refresh().last_committed
-        if entry["commit"] is None:
-            return self.materialize(name)
-        if entry["commit"] >= upto:
-            return dict(entry)
-        rows, how = views.refresh_rows(self, spec, views.read_rows(self, entry), int(entry["commit"]), upto)
-        with self._lock.held():
+        for _attempt in range(3):
             cat = views.ViewCatalog(self.path).load()
-            cat.spec(name)
-            return views.store(self, cat, spec, rows, upto, how)
+            spec = cat.spec(name)
+            entry = cat.entries[name]
+            upto = self._log.refresh().last_committed
+            if entry["commit"] is None:
+                return self.materialize(name)
+            if entry["commit"] >= upto:
+                return dict(entry)
+            r = views.refresh_rows(self, spec, entry, int(entry["commit"]), upto)
+            with self._lock.held():
+                cat = views.ViewCatalog(self.path).load()
+                now = cat.entries.get(name)
+                if now is None or now.get("version") != entry["version"] or \
+                        views.latest_version(self, name) != entry["version"]:
+                    continue  # another process changed the view meanwhile: start again from its state
+                if r.rows is not None:
+                    return views.store(self, cat, spec, r.rows, upto, r.how)
+                assert r.fresh is not None
+                return views.store_delta(self, cat, spec, entry, r.drop, r.fresh, upto, r.how)
+        raise TransactionError(f"view {name!r} kept changing under this refresh; try again")
 
     def view(self, name: str) -> Result:
         """The stored rows of a materialized view (artifact hashes, provenance ``node_ids``)."""
@@ -837,7 +842,7 @@ class Database:
         cat = views.ViewCatalog(self.path).load()
         cat.spec(name)
         entry = cat.entries[name]
-        if entry["file"] is None:
+        if entry.get("version") is None:
             raise ValidationError(f"view {name!r} is not materialized yet; run db.materialize({name!r})")
         return Result(views.read_rows(self, entry))
 
@@ -848,11 +853,9 @@ class Database:
         with self._lock.held():
             cat = views.ViewCatalog(self.path).load()
             cat.spec(name)
-            old = cat.entries.pop(name).get("file")
+            cat.entries.pop(name)
             cat.save()
-        if old:
-            with contextlib.suppress(FileNotFoundError):
-                os.remove(os.path.join(self.path, old))
+            views.remove(self, name)
 
     def export(
         self,

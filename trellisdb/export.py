@@ -99,7 +99,7 @@ def export(
     cat = views.ViewCatalog(db.path).load()
     spec = cat.spec(name)
     entry = cat.entries[name]
-    if entry["file"] is None:
+    if entry.get("version") is None:
         raise ValidationError(f"view {name!r} is not materialized yet; run db.materialize({name!r}) first")
     kind = spec.kind
     if format != "parquet" and (format, kind) not in _LAYOUTS:

@@ -51,11 +51,13 @@ kind            one row per
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime as dt
 import json
 import math
 import os
+import shutil
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -63,7 +65,6 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.parquet as pq
 
 from trellisdb.errors import QueryError, TrellisError, ValidationError
 
@@ -193,16 +194,40 @@ _DEFAULTS = {f.name: f.default for f in dataclasses.fields(ViewSpec) if f.defaul
 
 
 # ------------------------------------------------------------------ SQL
+#: The scan the compiled base starts from, and the same scan restricted to a refresh's nodes.
+_SCAN = "s0 AS (SELECT * FROM nodes)"
+_SCAN_MEMBERS = "s0 AS (SELECT * FROM nodes WHERE id IN (SELECT id FROM __members))"
+_REWARDS = "(SELECT node_id, value FROM rewards WHERE channel = "
+
+
+def _restricted(base: str) -> str:
+    """``base`` reading only the nodes in ``__members`` (and their rewards), so a refresh
+    costs what changed rather than a scan of every node and reward row."""
+    if _SCAN not in base:  # a shape we do not know: correct, only slower
+        return base
+    out = base.replace(_SCAN, _SCAN_MEMBERS, 1)
+    return out.replace(_REWARDS, "(SELECT node_id, value FROM rewards WHERE node_id IN (SELECT id FROM __members) "
+                       "AND channel = ")
+
+
 def _base(db: Database, spec: ViewSpec, snapshot: int) -> tuple[str, dict[str, Any], bool]:
     """SQL for the selected nodes ``(id, task_id, __reward)``, its parameters, and whether
     the condition reads other nodes (accessors such as ``children``: no incremental refresh)."""
-    from trellisdb.tql.run import prepare
+    from trellisdb.tql import plan as P
+    from trellisdb.tql.compile import compile_plan
+    from trellisdb.tql.parser import parse
+    from trellisdb.tql.resolve import resolve
+    from trellisdb.tql.run import catalog
 
     reward = spec.reward or "NULL"
     where = f" WHERE {spec.where}" if spec.where else ""
     text = f"NODES{where} RETURN id, task_id, ({reward}) AS __reward AS OF COMMIT {snapshot}"
     try:
-        bound, _plan, compiled = prepare(db, text, {})
+        bound = resolve(parse(text), catalog(db), {})
+        plan = P.build(bound)
+        if isinstance(plan, P.Project) and isinstance(plan.input, P.Sort):  # the view sorts its own rows
+            plan = dataclasses.replace(plan, input=plan.input.input)
+        compiled = compile_plan(plan)
     except QueryError as e:
         raise type(e)(f"view {spec.name!r}: {e}") from None
     return compiled.sql, dict(compiled.params), bool(bound.accessors)
@@ -213,7 +238,11 @@ def _common(spec: ViewSpec, base: str, restrict: bool) -> list[str]:
     ``g`` (their group memberships: one row per (node, parent) or (node, prompt))."""
     kinds = ", ".join(f"'{k}'" for k in spec.via)  # validated names, not user text
     need_reward = spec.kind != "sft" or spec.threshold is not None
-    ctes = [f"b AS (SELECT * FROM ({base}) WHERE {'__reward IS NOT NULL' if need_reward else 'true'})",
+    members = ""
+    if restrict and spec.kind != "stepwise":
+        members = " AND id IN (SELECT id FROM __members)"
+        base = _restricted(base)
+    ctes = [f"b AS (SELECT * FROM ({base}) WHERE {'__reward IS NOT NULL' if need_reward else 'true'}{members})",
             "art AS (SELECT node_id, name, hash FROM node_artifacts "
             "WHERE name IN ($__sys, $__prompt, $__resp) AND node_id IN (SELECT id FROM b))",
             "a AS (SELECT b.id, b.task_id, b.__reward, "
@@ -435,47 +464,100 @@ class ViewCatalog:
         return ViewSpec.from_dict(e["spec"])
 
 
-def _write_rows(db: Database, name: str, rows: pa.Table, commit: int) -> str:
-    d = os.path.join(db.path, VIEWS_DIR)
-    os.makedirs(d, exist_ok=True)
-    rel = os.path.join(VIEWS_DIR, f"{name}.{commit}.parquet")
-    tmp = os.path.join(db.path, rel + ".tmp")
-    pq.write_table(rows, tmp)
-    with open(tmp, "rb") as fh:
-        os.fsync(fh.fileno())
-    os.replace(tmp, os.path.join(db.path, rel))
-    return rel
+ROW_ID = "__row"
 
 
-def read_rows(db: Database, entry: Mapping[str, Any]) -> pa.Table:
-    path = os.path.join(db.path, entry["file"])
+def _uri(db: Database, name: str) -> str:
+    return os.path.join(db.path, VIEWS_DIR, f"{name}.lance")
+
+
+def _open(db: Database, entry: Mapping[str, Any]) -> Any:
+    import lance
+
+    uri = os.path.join(db.path, entry["file"])
     try:
-        return pq.read_table(path)
-    except (OSError, pa.ArrowInvalid) as e:
-        raise TrellisError(f"the rows of view {entry['spec']['name']!r} ({path}) are unreadable ({e}); "
+        return lance.dataset(uri, version=entry["version"])
+    except (OSError, ValueError, RuntimeError) as e:
+        raise TrellisError(f"the rows of view {entry['spec']['name']!r} ({uri}) are unreadable ({e}); "
                            "run db.materialize(name) to recompute them") from e
 
 
+def read_rows(db: Database, entry: Mapping[str, Any], columns: list[str] | None = None) -> pa.Table:
+    """The stored rows of a materialized view, in key order (``columns``: only those, unsorted,
+    with the internal row id)."""
+    ds = _open(db, entry)
+    if columns is not None:
+        return ds.to_table(columns=[*columns, ROW_ID])
+    t = ds.to_table()
+    return _canonical(entry["spec"]["kind"], t.drop_columns([ROW_ID]))
+
+
+def _entry(spec: ViewSpec, commit: int, rows: int, version: int, next_row: int, how: str) -> dict[str, Any]:
+    return {"spec": spec.as_dict(), "definition": spec.definition(), "commit": commit, "rows": rows,
+            "file": os.path.join(VIEWS_DIR, f"{spec.name}.lance"), "version": version, "next_row": next_row,
+            "computed_at": dt.datetime.now(dt.UTC).isoformat(), "how": how}
+
+
 def store(db: Database, cat: ViewCatalog, spec: ViewSpec, rows: pa.Table, commit: int, how: str) -> dict[str, Any]:
-    """Record ``rows`` as the view's materialization at ``commit`` (file first, then the catalog)."""
-    old = cat.entries.get(spec.name, {}).get("file")
-    rel = _write_rows(db, spec.name, rows, commit)
-    entry = {"spec": spec.as_dict(), "definition": spec.definition(), "commit": commit, "rows": rows.num_rows,
-             "file": rel, "computed_at": dt.datetime.now(dt.UTC).isoformat(), "how": how}
+    """Record ``rows`` as the view's materialization at ``commit``: a new version of its Lance
+    dataset first, then the catalog naming that version (a crash between leaves the old one)."""
+    import lance
+
+    os.makedirs(os.path.join(db.path, VIEWS_DIR), exist_ok=True)
+    t = rows.append_column(ROW_ID, pa.array(np.arange(rows.num_rows, dtype=np.int64)))
+    ds = lance.write_dataset(t, _uri(db, spec.name), mode="overwrite")
+    entry = _entry(spec, commit, rows.num_rows, ds.version, rows.num_rows, how)
     cat.entries[spec.name] = entry
     cat.save()
-    if old and old != rel:
-        with _ignore_missing():
-            os.remove(os.path.join(db.path, old))
+    _prune(ds)
     return entry
 
 
-class _ignore_missing:
-    def __enter__(self) -> None:
+def store_delta(
+    db: Database, cat: ViewCatalog, spec: ViewSpec, old: Mapping[str, Any], drop: np.ndarray, fresh: pa.Table,
+    commit: int, how: str,
+) -> dict[str, Any]:
+    """Apply a refresh to the stored rows: delete the rows ``drop`` (row ids), append ``fresh``.
+    Costs what changed, not the view's size. The caller holds the writer lock and has checked
+    that the dataset is still at ``old['version']``."""
+    import lance
+
+    ds = lance.dataset(_uri(db, spec.name))
+    if len(drop):
+        ds.delete(f"{ROW_ID} IN ({', '.join(str(int(r)) for r in drop)})")
+    start = int(old["next_row"])
+    if fresh.num_rows:
+        t = fresh.append_column(ROW_ID, pa.array(np.arange(start, start + fresh.num_rows, dtype=np.int64)))
+        ds = lance.write_dataset(t.cast(ds.schema), _uri(db, spec.name), mode="append")
+    else:
+        ds = lance.dataset(_uri(db, spec.name))
+    entry = _entry(spec, commit, int(old["rows"]) - len(drop) + fresh.num_rows, ds.version,
+                   start + fresh.num_rows, how)
+    cat.entries[spec.name] = entry
+    cat.save()
+    _prune(ds)
+    return entry
+
+
+def latest_version(db: Database, name: str) -> int | None:
+    import lance
+
+    try:
+        return int(lance.dataset(_uri(db, name)).version)
+    except (OSError, ValueError, RuntimeError):
         return None
 
-    def __exit__(self, typ: type[BaseException] | None, *_: object) -> bool:
-        return typ is not None and issubclass(typ, FileNotFoundError)
+
+def _prune(ds: Any) -> None:
+    """Old versions go after the tables' grace period (a reader may still hold one)."""
+    from trellisdb.storage.tables import PRUNE_GRACE
+
+    with contextlib.suppress(Exception):  # housekeeping only
+        ds.cleanup_old_versions(older_than=PRUNE_GRACE)
+
+
+def remove(db: Database, name: str) -> None:
+    shutil.rmtree(_uri(db, name), ignore_errors=True)
 
 
 # ------------------------------------------------------------------ refresh
@@ -490,16 +572,31 @@ def changed_since(db: Database, since: int, upto: int) -> pa.Table:
     return db._engine.run(db._log.refresh(), upto, sql)
 
 
-def refresh_rows(db: Database, spec: ViewSpec, old: pa.Table, since: int, upto: int) -> tuple[pa.Table, str]:
-    """The view at ``upto`` from its rows at ``since``: rows behind the touched nodes and groups
-    are recomputed, the rest kept. Views that cannot be refreshed by parts are rebuilt."""
+@dataclass
+class Refresh:
+    """What a refresh does to the stored rows: replace them all (``rows``), or delete the row
+    ids ``drop`` and append ``fresh``."""
+
+    how: str
+    rows: pa.Table | None = None
+    drop: np.ndarray = field(default_factory=lambda: np.empty(0, np.int64))
+    fresh: pa.Table | None = None
+
+
+def refresh_rows(db: Database, spec: ViewSpec, entry: Mapping[str, Any], since: int, upto: int) -> Refresh:
+    """The change that brings the view from its rows at ``since`` to ``upto``: rows behind the
+    touched nodes and groups are recomputed, the rest kept. Views that cannot be refreshed by
+    parts are rebuilt."""
     _, _, global_condition = _base(db, spec, upto)
     if spec.kind == "replay" or global_condition:
         why = "a replay samples the whole view" if spec.kind == "replay" else "its condition reads other nodes"
-        return compute(db, spec, upto), f"rebuilt ({why})"
+        return Refresh(f"rebuilt ({why})", rows=compute(db, spec, upto))
     changed = changed_since(db, since, upto)
     if changed.num_rows == 0:
-        return old, "unchanged"
+        return Refresh("unchanged", fresh=SCHEMAS[spec.kind].empty_table())
+    cols = ["node_ids", *(["group_key"] if "group_key" in SCHEMAS[spec.kind].names else []),
+            *(["node_id"] if spec.kind == "stepwise" else [])]
+    old = read_rows(db, entry, columns=cols)
     ids = changed["id"].combine_chunks()
     st = db._log.refresh()
     kinds = ", ".join(f"'{k}'" for k in spec.via)
@@ -531,10 +628,24 @@ def refresh_rows(db: Database, spec: ViewSpec, old: pa.Table, since: int, upto: 
         old_leaves = old["node_id"].filter(touched).combine_chunks()
         dirty["__dirty_leaves"] = pa.table({"id": pc.unique(pa.concat_arrays([leaves, old_leaves]))})
         touched = pc.or_(touched, pc.is_in(old["node_id"], value_set=dirty["__dirty_leaves"]["id"]))
+    # the nodes the recomputed rows can read: the touched, the members of the touched groups,
+    # and the other side of their comparisons
+    if spec.group_by == "parent":
+        grp_members = (f"SELECT dst AS id FROM edges WHERE kind IN ({kinds}) "
+                       "AND src IN (SELECT grp FROM __dirty_groups)")
+    else:
+        grp_members = ("SELECT node_id AS id FROM node_artifacts WHERE name = $p "
+                       "AND hash IN (SELECT grp FROM __dirty_groups)")
+    dirty["__members"] = db._engine.run(
+        st, upto,
+        f"{grp_members} UNION SELECT id FROM __dirty_nodes UNION SELECT b FROM comparisons "
+        "WHERE a IN (SELECT id FROM __dirty_nodes) UNION SELECT a FROM comparisons WHERE b IN (SELECT id FROM __dirty_nodes)",
+        {"p": spec.prompt} if spec.group_by == "prompt" else None, relations=dirty,
+    )
     fresh = compute(db, spec, upto, dirty)
-    kept = old.filter(pc.invert(touched))
-    out = pa.concat_tables([kept, fresh.cast(kept.schema)])
-    return _canonical(spec.kind, out), f"refreshed ({len(ids)} touched nodes, {fresh.num_rows} rows recomputed)"
+    drop = old[ROW_ID].filter(touched).to_numpy()
+    return Refresh(f"refreshed ({len(ids)} touched nodes, {len(drop)} rows replaced by {fresh.num_rows})",
+                   drop=drop, fresh=fresh)
 
 
 def _touches(rows: pa.Table, ids: pa.Array) -> pa.ChunkedArray:
