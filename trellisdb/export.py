@@ -128,7 +128,8 @@ def export(
                                   "row": pa.array(range(part.num_rows), pa.int64()), "node_ids": part["node_ids"]}))
             target = os.path.join(tmp, fname)
             if format == "parquet":
-                pq.write_table(part, target)
+                with open(target, "wb") as out_fh:
+                    pq.write_table(part, out_fh)
                 done += part.num_rows
                 if progress:
                     progress(done, total)
@@ -141,8 +142,8 @@ def export(
                     done += chunk.num_rows
                     if progress:
                         progress(done, total)
-        pq.write_table(pa.concat_tables(prov) if prov else pa.table({"split": pa.array([], pa.string())}),
-                       os.path.join(tmp, "provenance.parquet"))
+        with open(os.path.join(tmp, "provenance.parquet"), "wb") as prov_fh:
+            pq.write_table(pa.concat_tables(prov) if prov else pa.table({"split": pa.array([], pa.string())}), prov_fh)
         manifest = {
             "view": name,
             "kind": kind,
@@ -209,18 +210,21 @@ def _with_texts(db: Database, rows: pa.Table, kind: str, spec: Any, skip: bool, 
     texts = db._engine.run(db._log.refresh(), commit,
                            "SELECT hash, decode(content) AS text FROM artifacts_full WHERE hash IN (SELECT h FROM __h)",
                            relations={"__h": pa.table({"h": pc.drop_null(wanted)})})
-    lookup = pl.from_arrow(texts)
-    assert isinstance(lookup, pl.DataFrame)
-    df = pl.from_arrow(rows)
-    assert isinstance(df, pl.DataFrame)
-    for c in hashes:
+    keys = texts["hash"].combine_chunks()
+    values = texts["text"].combine_chunks()
+    for c in hashes:  # each hash column gets its text column beside it (a hash join in Arrow)
         name = c.removesuffix("_hash").removesuffix("_hashes") + ("s" if c.endswith("_hashes") else "")
-        if c.endswith("_hashes"):
-            m = dict(zip(lookup["hash"].to_list(), lookup["text"].to_list(), strict=True))
-            df = df.with_columns(pl.col(c).list.eval(pl.element().replace_strict(m, default=None)).alias(name))
+        col = rows[c].combine_chunks()
+        if pa.types.is_list(col.type):
+            at = pc.index_in(col.flatten(), value_set=keys)
+            flat = values.take(at)
+            lengths = pc.fill_null(pc.list_value_length(col), 0).to_numpy(zero_copy_only=False)
+            offsets = pa.array(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32))
+            text: pa.Array = pa.ListArray.from_arrays(offsets, flat, mask=col.is_null())
         else:
-            df = df.join(lookup.rename({"hash": c, "text": name}), on=c, how="left", maintain_order="left")
-    return df.to_arrow(), int(n_missing)
+            text = values.take(pc.index_in(col, value_set=keys))
+        rows = rows.append_column(name, text)
+    return rows, int(n_missing)
 
 
 def _split(rows: pa.Table, validation: float) -> pa.Array:
