@@ -118,9 +118,10 @@ def export(
         total, done = rows.num_rows, 0
         prov = []
         for split in ("train", "validation"):
-            part = rows.filter(pc.equal(side, split))
             if split == "validation" and validation == 0.0:
                 continue
+            # no split asked: every row is train, no filtered copy of the table
+            part = rows if validation == 0.0 else rows.filter(pc.equal(side, split))
             fname = f"{split}.{'parquet' if format == 'parquet' else 'jsonl'}"
             counts[split] = part.num_rows
             files[split] = fname
