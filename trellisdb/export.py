@@ -39,6 +39,7 @@ import os
 import shutil
 import tempfile
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -114,37 +115,7 @@ def export(
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=".trellis-export-", dir=parent)
     try:
-        files, counts = {}, {}
-        total, done = rows.num_rows, 0
-        prov = []
-        for split in ("train", "validation"):
-            if split == "validation" and validation == 0.0:
-                continue
-            # no split asked: every row is train, no filtered copy of the table
-            part = rows if validation == 0.0 else rows.filter(pc.equal(side, split))
-            fname = f"{split}.{'parquet' if format == 'parquet' else 'jsonl'}"
-            counts[split] = part.num_rows
-            files[split] = fname
-            prov.append(pa.table({"split": pa.array([split] * part.num_rows, pa.string()),
-                                  "row": pa.array(range(part.num_rows), pa.int64()), "node_ids": part["node_ids"]}))
-            target = os.path.join(tmp, fname)
-            if format == "parquet":
-                with open(target, "wb") as out_fh:
-                    pq.write_table(part, out_fh)
-                done += part.num_rows
-                if progress:
-                    progress(done, total)
-                continue
-            with open(target, "wb") as fh:
-                for lo in range(0, max(part.num_rows, 1), CHUNK_ROWS):
-                    chunk = part.slice(lo, CHUNK_ROWS)
-                    if chunk.num_rows:
-                        _layout(format, kind, chunk).write_ndjson(fh)
-                    done += chunk.num_rows
-                    if progress:
-                        progress(done, total)
-        with open(os.path.join(tmp, "provenance.parquet"), "wb") as prov_fh:
-            pq.write_table(pa.concat_tables(prov) if prov else pa.table({"split": pa.array([], pa.string())}), prov_fh)
+        files, counts = _write(tmp, format, kind, rows, side, validation, progress)
         manifest = {
             "view": name,
             "kind": kind,
@@ -179,6 +150,67 @@ def export(
     return manifest
 
 
+def _write(
+    tmp: str, format: str, kind: str, rows: pa.Table, side: pa.Array, validation: float,
+    progress: Callable[[int, int], None] | None,
+) -> tuple[dict[str, str], dict[str, int]]:
+    """The split files and ``provenance.parquet`` in folder ``tmp``. One writer thread writes
+    while this one lays out the next chunk (both mostly outside the GIL); progress is reported
+    from this thread as each chunk lands."""
+    files: dict[str, str] = {}
+    counts: dict[str, int] = {}
+    total, done = rows.num_rows, 0
+    prov = []
+    queue: list[tuple[Future[Any], int]] = []
+    handles = []
+
+    def settle(keep: int) -> None:
+        nonlocal done
+        while len(queue) > keep:
+            fut, n = queue.pop(0)
+            fut.result()
+            done += n
+            if progress and n:
+                progress(done, total)
+
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="trellis-export") as pool:
+        try:
+            for split in ("train", "validation"):
+                if split == "validation" and validation == 0.0:
+                    continue
+                # no split asked: every row is train, no filtered copy of the table
+                part = rows if validation == 0.0 else rows.filter(pc.equal(side, split))
+                fname = f"{split}.{'parquet' if format == 'parquet' else 'jsonl'}"
+                counts[split] = part.num_rows
+                files[split] = fname
+                prov.append(pa.table({"split": pa.array([split] * part.num_rows, pa.string()),
+                                      "row": pa.array(np.arange(part.num_rows)), "node_ids": part["node_ids"]}))
+                target = os.path.join(tmp, fname)
+                if format == "parquet":
+                    queue.append((pool.submit(_parquet, part, target), part.num_rows))
+                    continue
+                fh = open(target, "wb")  # noqa: SIM115 (closed below, once its writes are done)
+                handles.append(fh)
+                for lo in range(0, part.num_rows, CHUNK_ROWS):
+                    chunk = part.slice(lo, CHUNK_ROWS)
+                    queue.append((pool.submit(_layout(format, kind, chunk).write_ndjson, fh), chunk.num_rows))
+                    settle(1)
+            provenance = pa.concat_tables(prov) if prov else pa.table({"split": pa.array([], pa.string())})
+            queue.append((pool.submit(_parquet, provenance, os.path.join(tmp, "provenance.parquet")), 0))
+            settle(0)
+        finally:
+            for fh in handles:
+                fh.close()
+    if progress and not total:
+        progress(0, 0)
+    return files, counts
+
+
+def _parquet(t: pa.Table, target: str) -> None:
+    with open(target, "wb") as fh:  # a file handle: pyarrow's own filesystem layer is slower here
+        pq.write_table(t, fh)
+
+
 def _with_texts(db: Database, rows: pa.Table, kind: str, spec: Any, skip: bool, commit: int) -> tuple[pa.Table, int]:
     """``rows`` plus a text column per hash column (``system``, ``prompt``, ``response`` ...);
     rows missing a text the layout needs raise, or are dropped (and counted) with ``skip``."""
@@ -204,26 +236,24 @@ def _with_texts(db: Database, rows: pa.Table, kind: str, spec: Any, skip: bool, 
         )
     rows = rows.filter(pc.invert(mask))
     hashes = [c for c in rows.column_names if c.endswith("_hash") or c == "response_hashes"]
-    wanted = pc.unique(pa.concat_arrays([
-        (rows[c].combine_chunks().flatten() if pa.types.is_list(rows[c].type) else rows[c].combine_chunks())
-        for c in hashes
-    ] or [pa.array([], pa.string())]))
+    cols = [rows[c].combine_chunks() for c in hashes]
+    flat = [c.flatten() if pa.types.is_list(c.type) else c for c in cols]
+    probe = pa.concat_arrays(flat) if flat else pa.array([], pa.string())
+    wanted = pc.drop_null(pc.unique(probe))
     texts = db._engine.run(db._log.refresh(), commit,
                            "SELECT hash, decode(content) AS text FROM artifacts_full WHERE hash IN (SELECT h FROM __h)",
-                           relations={"__h": pa.table({"h": pc.drop_null(wanted)})})
-    keys = texts["hash"].combine_chunks()
-    values = texts["text"].combine_chunks()
-    for c in hashes:  # each hash column gets its text column beside it (a hash join in Arrow)
+                           relations={"__h": pa.table({"h": wanted})})
+    # one hash lookup for every hash column at once (each index_in call builds its hash table again)
+    found = texts["text"].combine_chunks().take(pc.index_in(probe, value_set=texts["hash"].combine_chunks()))
+    lo = 0
+    for c, col, f in zip(hashes, cols, flat, strict=True):
         name = c.removesuffix("_hash").removesuffix("_hashes") + ("s" if c.endswith("_hashes") else "")
-        col = rows[c].combine_chunks()
-        if pa.types.is_list(col.type):
-            at = pc.index_in(col.flatten(), value_set=keys)
-            flat = values.take(at)
+        text: pa.Array = found.slice(lo, len(f))
+        lo += len(f)
+        if pa.types.is_list(col.type):  # the steps' texts, in the lists' shape
             lengths = pc.fill_null(pc.list_value_length(col), 0).to_numpy(zero_copy_only=False)
             offsets = pa.array(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32))
-            text: pa.Array = pa.ListArray.from_arrays(offsets, flat, mask=col.is_null())
-        else:
-            text = values.take(pc.index_in(col, value_set=keys))
+            text = pa.ListArray.from_arrays(offsets, text, mask=col.is_null())
         rows = rows.append_column(name, text)
     return rows, int(n_missing)
 

@@ -380,10 +380,10 @@ def compute(db: Database, spec: ViewSpec, snapshot: int, dirty: Mapping[str, pa.
     return _canonical(spec.kind, rows)
 
 
-def _canonical(kind: str, rows: pa.Table) -> pa.Table:
+def _canonical(kind: str, rows: pa.Table, sort: bool = True) -> pa.Table:
     sch = SCHEMAS[kind]
     rows = pa.table({f.name: rows.column(f.name).cast(f.type) for f in sch}, schema=sch)
-    return rows.sort_by([(k, "ascending") for k in ROW_KEYS[kind]])
+    return rows.sort_by([(k, "ascending") for k in ROW_KEYS[kind]]) if sort else rows
 
 
 # ------------------------------------------------------------------ replay
@@ -489,13 +489,15 @@ def read_rows(db: Database, entry: Mapping[str, Any], columns: list[str] | None 
     if columns is not None:
         return ds.to_table(columns=[*columns, ROW_ID])
     t = ds.to_table()
-    return _canonical(entry["spec"]["kind"], t.drop_columns([ROW_ID]))
+    # a full materialization writes the rows in key order; after a refresh's delete + append they need a sort
+    return _canonical(entry["spec"]["kind"], t.drop_columns([ROW_ID]), sort=not entry.get("sorted", False))
 
 
-def _entry(spec: ViewSpec, commit: int, rows: int, version: int, next_row: int, how: str) -> dict[str, Any]:
+def _entry(spec: ViewSpec, commit: int, rows: int, version: int, next_row: int, how: str,
+           sorted: bool = False) -> dict[str, Any]:
     return {"spec": spec.as_dict(), "definition": spec.definition(), "commit": commit, "rows": rows,
             "file": os.path.join(VIEWS_DIR, f"{spec.name}.lance"), "version": version, "next_row": next_row,
-            "computed_at": dt.datetime.now(dt.UTC).isoformat(), "how": how}
+            "computed_at": dt.datetime.now(dt.UTC).isoformat(), "how": how, "sorted": sorted}
 
 
 def store(db: Database, cat: ViewCatalog, spec: ViewSpec, rows: pa.Table, commit: int, how: str) -> dict[str, Any]:
@@ -506,7 +508,7 @@ def store(db: Database, cat: ViewCatalog, spec: ViewSpec, rows: pa.Table, commit
     os.makedirs(os.path.join(db.path, VIEWS_DIR), exist_ok=True)
     t = rows.append_column(ROW_ID, pa.array(np.arange(rows.num_rows, dtype=np.int64)))
     ds = lance.write_dataset(t, _uri(db, spec.name), mode="overwrite")
-    entry = _entry(spec, commit, rows.num_rows, ds.version, rows.num_rows, how)
+    entry = _entry(spec, commit, rows.num_rows, ds.version, rows.num_rows, how, sorted=True)
     cat.entries[spec.name] = entry
     cat.save()
     _prune(ds)
