@@ -133,7 +133,7 @@ def grow(db: trellisdb.Database, rng: np.random.Generator, n: int) -> None:
     with db.transaction():
         s = db.resume("s1")
         for _ in range(n):
-            op = rng.integers(0, 5)
+            op = rng.integers(0, 6)
             if op == 0:  # a new child (sometimes a crossover)
                 parents = list(rng.choice(ids, int(rng.integers(1, 3)), replace=False))
                 nid = s.add_node(parents=parents, artifacts=arts(str(len(ids)), str(rng.choice(["pack circles", "p2"]))))
@@ -146,10 +146,12 @@ def grow(db: trellisdb.Database, rng: np.random.Generator, n: int) -> None:
                 s.add_comparison(str(a), str(b), preferred=str(rng.choice([a, b])), margin=0.5)
             elif op == 3:
                 s.set_status(str(rng.choice(ids)), "expanded")
-            else:  # a new edge between existing nodes
+            elif op == 4:  # a new edge between existing nodes
                 a, b = rng.choice(ids, 2, replace=False)
                 nid = s.add_node(parents=[str(a), str(b)], artifacts=arts("x"))
                 ids.append(nid)
+            else:  # a new prompt: the node leaves its prompt group for another
+                s.add_artifact(str(rng.choice(ids)), "prompt", str(rng.choice(["pack circles", "p2", "p3"])))
 
 
 @pytest.mark.parametrize("kind,opts", [
@@ -173,6 +175,22 @@ def test_refresh_equals_rebuild(g: trellisdb.Database, kind: str, opts: dict[str
         assert g.view("v").to_arrow().equals(rebuilt), f"refresh {step} ({e['how']}) differs from a rebuild"
         if kind != "replay":
             assert e["how"].startswith("refreshed")
+
+
+def test_refresh_when_a_node_leaves_its_group(g: trellisdb.Database) -> None:
+    """A re-set prompt moves A to a group no other changed node is in: the group A left is
+    known only from the stored rows, and its row is recomputed without A."""
+    g.create_view("v", "grpo", reward="reward('score')", group_by="prompt")
+    g.materialize("v")
+    old = {len(r["node_ids"]) for r in rows(g, "v") if "A" in r["node_ids"]}
+    with g.transaction():
+        g.resume("s1").add_artifact("A", "prompt", "a prompt nobody else has")
+    e = g.refresh("v")
+    assert e["how"].startswith("refreshed")
+    spec = views.ViewCatalog(g.path).load().spec("v")
+    assert g.view("v").to_arrow().equals(views.compute(g, spec, e["commit"]))
+    left = [r for r in rows(g, "v") if "B" in r["node_ids"]]
+    assert old and len(left) == 1 and "A" not in left[0]["node_ids"] and len(left[0]["node_ids"]) == old.pop() - 1
 
 
 def test_views_are_listed_and_pinned(g: trellisdb.Database) -> None:

@@ -59,6 +59,7 @@ import math
 import os
 import shutil
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -251,8 +252,11 @@ def _common(spec: ViewSpec, base: str, restrict: bool) -> list[str]:
             "max(art.hash) FILTER (WHERE art.name = $__resp) AS response_hash "
             "FROM b LEFT JOIN art ON art.node_id = b.id GROUP BY b.id, b.task_id, b.__reward)"]
     if spec.group_by == "parent":
+        # restricted: only the edges into members from dirty groups (the DISTINCT over every edge
+        # is the largest cost of a small refresh otherwise); the joins below keep no others anyway
+        only = " AND dst IN (SELECT id FROM __members) AND src IN (SELECT grp FROM __dirty_groups)" if restrict else ""
         ctes.append(f"g0 AS (SELECT a.*, e.src AS grp FROM a JOIN (SELECT DISTINCT src, dst FROM edges "
-                    f"WHERE kind IN ({kinds})) e ON e.dst = a.id)")
+                    f"WHERE kind IN ({kinds}){only}) e ON e.dst = a.id)")
     else:
         ctes.append("g0 AS (SELECT a.*, a.prompt_hash AS grp FROM a WHERE a.prompt_hash IS NOT NULL)")
     group_filter = " WHERE grp IN (SELECT grp FROM __dirty_groups)" if restrict else ""
@@ -596,27 +600,35 @@ def refresh_rows(db: Database, spec: ViewSpec, entry: Mapping[str, Any], since: 
     changed = changed_since(db, since, upto)
     if changed.num_rows == 0:
         return Refresh("unchanged", fresh=SCHEMAS[spec.kind].empty_table())
+    ids = changed["id"].combine_chunks()
     cols = ["node_ids", *(["group_key"] if "group_key" in SCHEMAS[spec.kind].names else []),
             *(["node_id"] if spec.kind == "stepwise" else [])]
-    old = read_rows(db, entry, columns=cols)
-    ids = changed["id"].combine_chunks()
-    st = db._log.refresh()
-    kinds = ", ".join(f"'{k}'" for k in spec.via)
-    rel = {"__changed": pa.table({"id": ids})}
-    # groups the touched nodes are in now (the old rows name the groups they were in)
-    if spec.group_by == "parent":
-        now = db._engine.run(st, upto, f"SELECT DISTINCT src AS grp FROM edges WHERE kind IN ({kinds}) "
-                             "AND dst IN (SELECT id FROM __changed)", relations=rel)
-    else:
-        now = db._engine.run(st, upto, "SELECT DISTINCT hash AS grp FROM node_artifacts WHERE name = $p "
-                             "AND node_id IN (SELECT id FROM __changed)", {"p": spec.prompt}, relations=rel)
-    touched = _touches(old, ids)
-    groups = now["grp"].combine_chunks()
+    # the old rows (a Lance read) load on a thread while DuckDB finds and recomputes the touched groups
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="trellis-refresh") as pool:
+        reading = pool.submit(_old_rows, db, entry, cols, ids)
+        st = db._log.refresh()
+        kinds = ", ".join(f"'{k}'" for k in spec.via)
+        rel = {"__changed": pa.table({"id": ids})}
+        # groups the touched nodes are in now (the old rows name the groups they were in)
+        if spec.group_by == "parent":
+            now = db._engine.run(st, upto, f"SELECT DISTINCT src AS grp FROM edges WHERE kind IN ({kinds}) "
+                                 "AND dst IN (SELECT id FROM __changed)", relations=rel)
+        else:
+            now = db._engine.run(st, upto, "SELECT DISTINCT hash AS grp FROM node_artifacts WHERE name = $p "
+                                 "AND node_id IN (SELECT id FROM __changed)", {"p": spec.prompt}, relations=rel)
+        groups = now["grp"].combine_chunks().cast(_S)
+        fresh: pa.Table | None = None
+        if spec.kind != "stepwise":  # recompute now; redone below if the old rows name more groups
+            fresh = _recompute(db, spec, upto, ids, groups)
+        old, touched = reading.result()
+    dirty_leaves = None
     if "group_key" in old.column_names:
-        groups = pc.unique(pa.concat_arrays([groups.cast(_S), pc.drop_null(old["group_key"].filter(touched))
-                                             .combine_chunks().cast(_S)]))
+        before = pc.drop_null(old["group_key"].filter(touched)).combine_chunks().cast(_S)
+        extra = pc.filter(before, pc.invert(pc.is_in(before, value_set=groups)))
+        if len(extra):  # groups a touched node has left: they change too
+            groups = pc.unique(pa.concat_arrays([groups, extra]))
+            fresh = None
         touched = pc.or_(touched, pc.fill_null(pc.is_in(old["group_key"], value_set=groups), False))
-    dirty: dict[str, pa.Table] = {"__dirty_nodes": pa.table({"id": ids}), "__dirty_groups": pa.table({"grp": groups})}
     if spec.kind == "stepwise":
         # trajectories through a touched node: their leaves, old and new (descendants of the touched)
         leaves = db._engine.run(
@@ -628,10 +640,30 @@ def refresh_rows(db: Database, spec: ViewSpec, entry: Mapping[str, Any], since: 
             relations=rel,
         )["id"].combine_chunks()
         old_leaves = old["node_id"].filter(touched).combine_chunks()
-        dirty["__dirty_leaves"] = pa.table({"id": pc.unique(pa.concat_arrays([leaves, old_leaves]))})
-        touched = pc.or_(touched, pc.is_in(old["node_id"], value_set=dirty["__dirty_leaves"]["id"]))
-    # the nodes the recomputed rows can read: the touched, the members of the touched groups,
-    # and the other side of their comparisons
+        dirty_leaves = pc.unique(pa.concat_arrays([leaves, old_leaves]))
+        touched = pc.or_(touched, pc.is_in(old["node_id"], value_set=dirty_leaves))
+    if fresh is None:
+        fresh = _recompute(db, spec, upto, ids, groups, dirty_leaves)
+    drop = old[ROW_ID].filter(touched).to_numpy()
+    return Refresh(f"refreshed ({len(ids)} touched nodes, {len(drop)} rows replaced by {fresh.num_rows})",
+                   drop=drop, fresh=fresh)
+
+
+def _old_rows(db: Database, entry: Mapping[str, Any], cols: list[str], ids: pa.Array) -> tuple[pa.Table, Any]:
+    """The stored rows' ``cols`` and, per row, whether a node behind it is in ``ids``."""
+    old = read_rows(db, entry, columns=cols)
+    return old, _touches(old, ids)
+
+
+def _recompute(db: Database, spec: ViewSpec, upto: int, ids: pa.Array, groups: pa.Array,
+               leaves: pa.Array | None = None) -> pa.Table:
+    """The rows of the dirty groups and nodes (``leaves``: stepwise's dirty trajectories),
+    computed over the nodes they can read: the touched, the members of the touched groups,
+    and the other side of their comparisons."""
+    kinds = ", ".join(f"'{k}'" for k in spec.via)
+    dirty: dict[str, pa.Table] = {"__dirty_nodes": pa.table({"id": ids}), "__dirty_groups": pa.table({"grp": groups})}
+    if leaves is not None:
+        dirty["__dirty_leaves"] = pa.table({"id": leaves})
     if spec.group_by == "parent":
         grp_members = (f"SELECT dst AS id FROM edges WHERE kind IN ({kinds}) "
                        "AND src IN (SELECT grp FROM __dirty_groups)")
@@ -639,15 +671,12 @@ def refresh_rows(db: Database, spec: ViewSpec, entry: Mapping[str, Any], since: 
         grp_members = ("SELECT node_id AS id FROM node_artifacts WHERE name = $p "
                        "AND hash IN (SELECT grp FROM __dirty_groups)")
     dirty["__members"] = db._engine.run(
-        st, upto,
+        db._log.refresh(), upto,
         f"{grp_members} UNION SELECT id FROM __dirty_nodes UNION SELECT b FROM comparisons "
         "WHERE a IN (SELECT id FROM __dirty_nodes) UNION SELECT a FROM comparisons WHERE b IN (SELECT id FROM __dirty_nodes)",
         {"p": spec.prompt} if spec.group_by == "prompt" else None, relations=dirty,
     )
-    fresh = compute(db, spec, upto, dirty)
-    drop = old[ROW_ID].filter(touched).to_numpy()
-    return Refresh(f"refreshed ({len(ids)} touched nodes, {len(drop)} rows replaced by {fresh.num_rows})",
-                   drop=drop, fresh=fresh)
+    return compute(db, spec, upto, dirty)
 
 
 def _touches(rows: pa.Table, ids: pa.Array) -> pa.ChunkedArray:
