@@ -105,6 +105,25 @@ def test_sft_kto_stepwise(g: trellisdb.Database) -> None:
                    "G": (["D", "G"], [False, False]), "X": (["X"], [True]), "Y": (["Y"], [False])}
 
 
+def test_sft_paths_are_multi_turn(g: trellisdb.Database, tmp_path: Path) -> None:
+    g.create_view("sp", "sft", reward="reward('score')", threshold=0.7, path=True)
+    g.materialize("sp")
+    # unscored roots stay on the path; E follows its first parent (A, the smaller id)
+    assert {r["node_id"]: r["node_ids"] for r in rows(g, "sp")} == {"A": ["R", "A"], "E": ["R", "A", "E"],
+                                                                     "X": ["Q", "X"]}
+    g.export("sp", tmp_path / "sp", "trl")
+    got = {}
+    for line in (tmp_path / "sp" / "train.jsonl").read_text().splitlines():
+        m = json.loads(line)["messages"]
+        got[m[-1]["content"]] = [(t["role"], t["content"]) for t in m]
+    sys_, pc = ("system", "you are a solver"), ("user", "pack circles")
+    # R has a prompt and no response: a user turn only
+    assert got["answer E"] == [sys_, pc, pc, ("assistant", "answer A"), pc, ("assistant", "answer E")]
+    assert got["answer X"] == [sys_, ("user", "sort"), ("user", "sort"), ("assistant", "answer X")]
+    with pytest.raises(trellisdb.ValidationError, match="sft option"):
+        g.create_view("bad", "preference", reward="reward('score')", path=True)
+
+
 def test_replay_is_a_deterministic_prioritized_sample(g: trellisdb.Database) -> None:
     g.create_view("r", "replay", reward="reward('score')", size=4, seed=7)
     g.materialize("r")
@@ -157,7 +176,8 @@ def grow(db: trellisdb.Database, rng: np.random.Generator, n: int) -> None:
 @pytest.mark.parametrize("kind,opts", [
     ("preference", {}), ("preference", {"group_by": "prompt"}), ("grpo", {}), ("grpo", {"group_by": "prompt"}),
     ("sft", {"threshold": 0.5}), ("kto", {"threshold": 0.5}), ("stepwise", {"threshold": 0.5}),
-    ("replay", {"size": 5}),
+    ("replay", {"size": 5}), ("sft", {"threshold": 0.5, "path": True}),
+    ("sft", {"threshold": 0.5, "path": True, "where": "status IS NULL OR status <> 'expanded'"}),
     # status changes deselect nodes: groups shrink, parents become leaves
     ("stepwise", {"threshold": 0.5, "where": "status IS NULL OR status <> 'expanded'"}),
     ("preference", {"where": "status IS NULL OR status <> 'expanded'"}),
@@ -391,3 +411,5 @@ def test_view_statements_in_tql(g: trellisdb.Database, tmp_path: Path) -> None:
         g.query("CREATE VIEW q AS sft WITH threshold > 1")
     with pytest.raises(trellisdb.ValidationError, match="unknown view kind 'dpo'"):
         g.query("CREATE VIEW q AS dpo WITH reward = reward('score')")
+    with pytest.raises(trellisdb.ValidationError, match="reward must be a number"):
+        g.query("CREATE VIEW q AS sft WITH reward = 'reward(''score'')', threshold = 0.5")

@@ -775,7 +775,7 @@ class Database:
         from trellisdb import views
 
         spec = views.ViewSpec.from_dict({**options, "name": name, "kind": kind})
-        views._base(self, spec, self._log.refresh().last_committed)  # the conditions compile, names exist
+        views.check(self, spec, self._log.refresh().last_committed)  # the conditions compile, names exist
         with self._lock.held():
             cat = views.ViewCatalog(self.path).load()
             if name in cat.entries and not replace:

@@ -16,6 +16,8 @@ conversational where the kind has messages):
 view kind      ``trl``                                      ``openai`` (fine-tuning JSONL)
 =============  ===========================================  ==============================================
 sft            ``messages`` [system?, user, assistant]      ``messages`` (same)
+sft path=True  ``messages`` [system?, (user?, assistant?)    ``messages`` (same)
+               per step, root first]
 preference     ``prompt`` [system?, user], ``chosen`` /     ``input.messages``, ``preferred_output`` /
                ``rejected`` [assistant]                     ``non_preferred_output`` [assistant]
 kto            ``prompt``, ``completion``, ``label``        (none: use trl or parquet)
@@ -60,6 +62,8 @@ CHUNK_ROWS = 50_000
 #: Per kind: the hash columns whose texts the layouts need (absent texts are errors, or skipped).
 _TEXTS = {
     "sft": ("prompt_hash", "response_hash"),
+    # a path's first prompt and its last response; a step without a prompt (response) has no user (assistant) turn
+    "sft_path": ("prompt_hash", "response_hash"),
     "preference": ("prompt_hash", "chosen_hash", "rejected_hash"),
     "grpo": ("prompt_hash",),
     "kto": ("prompt_hash", "response_hash"),
@@ -102,20 +106,20 @@ def export(
     entry = cat.entries[name]
     if entry.get("version") is None:
         raise ValidationError(f"view {name!r} is not materialized yet; run db.materialize({name!r}) first")
-    kind = spec.kind
+    kind, shape = spec.kind, spec.shape
     if format != "parquet" and (format, kind) not in _LAYOUTS:
         raise ValidationError(f"format {format!r} has no layout for {kind} views; use 'trl' or 'parquet'")
     out = os.fspath(path)
     if os.path.exists(out) and not overwrite:
         raise ExportError(f"{out} exists; pass overwrite=True (or --overwrite) to replace it")
     rows = views.read_rows(db, entry)
-    rows, skipped = _with_texts(db, rows, kind, spec, skip_missing, int(entry["commit"]))
+    rows, skipped = _with_texts(db, rows, shape, spec, skip_missing, int(entry["commit"]))
     side = _split(rows, validation)
     parent = os.path.dirname(os.path.abspath(out)) or "."
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=".trellis-export-", dir=parent)
     try:
-        files, counts = _write(tmp, format, kind, rows, side, validation, progress)
+        files, counts = _write(tmp, format, shape, rows, side, validation, progress)
         manifest = {
             "view": name,
             "kind": kind,
@@ -228,14 +232,14 @@ def _with_texts(db: Database, rows: pa.Table, kind: str, spec: Any, skip: bool, 
         key = "node_id" if "node_id" in rows.column_names else ("chosen_id" if kind == "preference" else "group_key")
         ids = rows[key].filter(mask).to_pylist()
         names = {"prompt_hash": spec.prompt, "response_hash": spec.response, "chosen_hash": spec.response,
-                 "rejected_hash": spec.response, "response_hashes": spec.response}
+                 "rejected_hash": spec.response, "response_hashes": spec.response, "prompt_hashes": spec.prompt}
         roles = ", ".join(sorted({names[c] for c in need}))
         raise ExportError(
             f"{n_missing} row(s) of view {spec.name!r} lack a {roles!r} artifact, e.g. {ids[:10]}; add the "
             f"artifacts, or pass skip_missing=True (--skip-missing) to leave those rows out"
         )
     rows = rows.filter(pc.invert(mask))
-    hashes = [c for c in rows.column_names if c.endswith("_hash") or c == "response_hashes"]
+    hashes = [c for c in rows.column_names if c.endswith(("_hash", "_hashes"))]
     cols = [rows[c].combine_chunks() for c in hashes]
     flat = [c.flatten() if pa.types.is_list(c.type) else c for c in cols]
     probe = pa.concat_arrays(flat) if flat else pa.array([], pa.string())
@@ -285,6 +289,8 @@ def _layout(format: str, kind: str, t: pa.Table) -> pl.DataFrame:
     assert isinstance(df, pl.DataFrame)
     if "system" not in df.columns:
         df = df.with_columns(pl.lit(None, pl.String).alias("system"))
+    if kind == "sft_path":
+        return pl.DataFrame(pl.from_arrow(pa.table({"messages": _turns(t)})))
     if kind in ("sft", "replay"):
         msgs = pl.concat_list([_prompt_msgs(), pl.concat_list([_msg("assistant", "response")])])
         return df.select(msgs.alias("messages"))
@@ -300,6 +306,33 @@ def _layout(format: str, kind: str, t: pa.Table) -> pl.DataFrame:
     if kind == "stepwise":
         return df.select(pl.col("prompt"), pl.col("responses").alias("completions"), pl.col("labels"))
     return df.select(_prompt_msgs().alias("prompt"))  # grpo: prompt-only
+
+
+def _turns(t: pa.Table) -> pa.Array:
+    """Per row of an sft path: [system?] then, per step root first, a user turn (the step's
+    prompt, when it has one) and an assistant turn (its response, when it has one). Built from the flattened
+    lists in numpy: a stable sort of (row, position) keys, no Python loop over rows."""
+    responses = t["responses"].combine_chunks()
+    prompts = t["prompts"].combine_chunks()
+    system = t["system"].combine_chunks()
+    n = t.num_rows
+    step_row = pc.list_parent_indices(responses).to_numpy()
+    starts = np.concatenate([[0], np.cumsum(pc.fill_null(pc.list_value_length(responses), 0).to_numpy())])[:-1]
+    step = np.arange(len(step_row)) - starts[step_row]
+    flat_p, flat_r = prompts.flatten(), responses.flatten()
+    has_p = pc.is_valid(flat_p).to_numpy(zero_copy_only=False)
+    has_r = pc.is_valid(flat_r).to_numpy(zero_copy_only=False)
+    has_s = pc.is_valid(system).to_numpy(zero_copy_only=False)
+    rows_key = np.concatenate([np.arange(n)[has_s], step_row[has_p], step_row[has_r]])
+    order_key = np.concatenate([np.full(int(has_s.sum()), -1), 2 * step[has_p], 2 * step[has_r] + 1])
+    content = pa.concat_arrays([system.filter(pa.array(has_s)), flat_p.filter(pa.array(has_p)),
+                                flat_r.filter(pa.array(has_r))])
+    role = np.concatenate([np.full(int(has_s.sum()), 0), np.full(int(has_p.sum()), 1), np.full(int(has_r.sum()), 2)])
+    perm = np.lexsort((order_key, rows_key))
+    roles = pa.array(["system", "user", "assistant"]).take(pa.array(role[perm]))
+    msgs = pa.StructArray.from_arrays([roles, content.take(pa.array(perm))], names=["role", "content"])
+    offsets = np.concatenate([[0], np.cumsum(np.bincount(rows_key, minlength=n))]).astype(np.int32)
+    return pa.ListArray.from_arrays(pa.array(offsets), msgs)
 
 
 def _card(m: dict[str, Any]) -> str:

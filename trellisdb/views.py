@@ -15,7 +15,9 @@ and the node's prompt / response / system artifacts (by role name):
 ==============  ==============================================================
 kind            one row per
 ==============  ==============================================================
-``sft``         node with ``reward >= threshold`` (all selected if no threshold)
+``sft``         node with ``reward >= threshold`` (all selected if no threshold);
+                with ``path=True`` its root-to-node path (first parents), a
+                prompt and a response per step (a multi-turn conversation)
 ``preference``  (chosen, rejected): siblings (same parent, or same prompt) whose
                 rewards differ by at least ``margin`` (ties never pair), and
                 explicit ``comparisons`` (majority of votes; they override
@@ -93,6 +95,10 @@ SCHEMAS: dict[str, pa.Schema] = {
                        ("node_ids", pa.list_(_S)), ("rewards", pa.list_(_D)), ("advantages", pa.list_(_D))]),
     "kto": pa.schema([("node_id", _S), ("task_id", _S), ("reward", _D), ("label", _B), *_HASHES,
                       ("response_hash", _S), ("node_ids", pa.list_(_S))]),
+    # sft with path=True: the root-to-node path, a prompt and a response per step (multi-turn)
+    "sft_path": pa.schema([("node_id", _S), ("task_id", _S), ("reward", _D), *_HASHES, ("response_hash", _S),
+                           ("node_ids", pa.list_(_S)), ("prompt_hashes", pa.list_(_S)),
+                           ("response_hashes", pa.list_(_S))]),
     "stepwise": pa.schema([("node_id", _S), ("task_id", _S), *_HASHES, ("node_ids", pa.list_(_S)),
                            ("response_hashes", pa.list_(_S)), ("rewards", pa.list_(_D)),
                            ("labels", pa.list_(_B))]),
@@ -101,7 +107,7 @@ SCHEMAS: dict[str, pa.Schema] = {
                          ("response_hash", _S), ("node_ids", pa.list_(_S))]),
 }
 #: Columns that identify a row (the order rows are stored and compared in).
-ROW_KEYS = {"sft": ("node_id",), "preference": ("chosen_id", "rejected_id"), "grpo": ("group_key",),
+ROW_KEYS = {"sft": ("node_id",), "sft_path": ("node_id",), "preference": ("chosen_id", "rejected_id"), "grpo": ("group_key",),
             "kto": ("node_id",), "stepwise": ("node_id",), "replay": ("sample_rank",)}
 
 
@@ -127,6 +133,17 @@ class ViewSpec:
     response: str = "response"
     system: str = "system_prompt"
     via: tuple[str, ...] = LINEAGE
+    path: bool = False  # sft: the root-to-node path as a multi-turn conversation
+
+    @property
+    def shape(self) -> str:
+        """The rows' layout: the kind, or ``sft_path`` for an sft view of paths."""
+        return "sft_path" if self.kind == "sft" and self.path else self.kind
+
+    @property
+    def paths(self) -> bool:
+        """Whether a row follows a node back to its root (stepwise, sft paths): its rows read ancestors."""
+        return self.kind == "stepwise" or (self.kind == "sft" and self.path)
 
     def __post_init__(self) -> None:
         for f in ("reward", "where", "entropy", "prompt", "response", "system"):
@@ -141,8 +158,11 @@ class ViewSpec:
             v = getattr(self, f)
             if not isinstance(v, tuple) or not all(isinstance(x, str) for x in v):
                 raise ValidationError(f"view option {f} must be a list of names, not {v!r}")
-        if not isinstance(self.drop_zero_variance, bool):
-            raise ValidationError(f"drop_zero_variance must be True or False, not {self.drop_zero_variance!r}")
+        for f in ("drop_zero_variance", "path"):
+            if not isinstance(getattr(self, f), bool):
+                raise ValidationError(f"{f} must be True or False, not {getattr(self, f)!r}")
+        if self.path and self.kind != "sft":
+            raise ValidationError(f"path=True is an sft option (the root-to-node path); a {self.kind} view has none")
         if not self.name or set(self.name) - _NAME_CHARS:
             raise ValidationError(f"view name {self.name!r} must be letters, digits, '_' or '-'")
         if self.kind not in KINDS:
@@ -234,13 +254,25 @@ def _base(db: Database, spec: ViewSpec, snapshot: int) -> tuple[str, dict[str, A
     return compiled.sql, dict(compiled.params), bool(bound.accessors)
 
 
+def check(db: Database, spec: ViewSpec, snapshot: int) -> None:
+    """Raise if the view's conditions do not compile or its reward is not a number."""
+    base, params, _ = _base(db, spec, snapshot)
+    sql = f"SELECT __reward FROM ({base}) LIMIT 0"
+    typ = db._engine.run(db._log.refresh(), snapshot, sql, _used(sql, params)).schema.field("__reward").type
+    if not (pa.types.is_integer(typ) or pa.types.is_floating(typ) or pa.types.is_decimal(typ)
+            or pa.types.is_null(typ)):
+        raise ValidationError(f"view {spec.name!r}: reward must be a number, but {spec.reward!r} is {typ}; "
+                              "e.g. reward=\"reward('score')\" (in TQL: WITH reward = reward('score'))")
+
+
 def _common(spec: ViewSpec, base: str, restrict: bool) -> list[str]:
     """CTEs every kind starts from: ``a`` (selected nodes with their artifact hashes) and
     ``g`` (their group memberships: one row per (node, parent) or (node, prompt))."""
     kinds = ", ".join(f"'{k}'" for k in spec.via)  # validated names, not user text
-    need_reward = spec.kind != "sft" or spec.threshold is not None
+    # sft paths keep unscored ancestors (the threshold applies to the path's last node)
+    need_reward = spec.kind != "sft" or (spec.threshold is not None and not spec.path)
     members = ""
-    if restrict and spec.kind != "stepwise":
+    if restrict and not spec.paths:
         members = " AND id IN (SELECT id FROM __members)"
         base = _restricted(base)
     ctes = [f"b AS (SELECT * FROM ({base}) WHERE {'__reward IS NOT NULL' if need_reward else 'true'}{members})",
@@ -282,7 +314,23 @@ def _sql(spec: ViewSpec, base: str, restrict: bool) -> str:
     kinds = ", ".join(f"'{k}'" for k in spec.via)
     thr = "$__threshold"
     head = "WITH "
-    if spec.kind == "sft":
+    if spec.kind == "sft" and spec.path:
+        cond = f"__reward >= {thr}" if spec.threshold is not None else "true"
+        leaf_filter = " AND id IN (SELECT id FROM __dirty_leaves)" if restrict else ""
+        ctes.append(f"par AS (SELECT dst AS id, min(src) AS parent FROM edges WHERE kind IN ({kinds}) "
+                    "AND src IN (SELECT id FROM a) AND dst IN (SELECT id FROM a) GROUP BY dst)")
+        ctes.append(f"sel AS (SELECT id FROM a WHERE {cond}{leaf_filter})")
+        ctes.append("path AS (SELECT id AS leaf, id, 0 AS depth FROM sel UNION ALL "
+                    "SELECT p.leaf, par.parent, p.depth + 1 FROM path p JOIN par ON par.id = p.id "
+                    f"WHERE p.depth < {MAX_DEPTH})")
+        head = "WITH RECURSIVE "
+        body = ("SELECT pth.leaf AS node_id, any_value(l.task_id) AS task_id, any_value(l.__reward) AS reward, "
+                "arg_max(s.system_hash, pth.depth) AS system_hash, arg_max(s.prompt_hash, pth.depth) AS prompt_hash, "
+                "any_value(l.response_hash) AS response_hash, list(pth.id ORDER BY pth.depth DESC) AS node_ids, "
+                "list(s.prompt_hash ORDER BY pth.depth DESC) AS prompt_hashes, "
+                "list(s.response_hash ORDER BY pth.depth DESC) AS response_hashes "
+                "FROM path pth JOIN a s ON s.id = pth.id JOIN a l ON l.id = pth.leaf GROUP BY pth.leaf")
+    elif spec.kind == "sft":
         cond = f"__reward >= {thr}" if spec.threshold is not None else "true"
         body = (f"SELECT id AS node_id, task_id, __reward AS reward, system_hash, prompt_hash, response_hash, "
                 f"[id] AS node_ids FROM a WHERE {cond}{node_filter}")
@@ -381,7 +429,7 @@ def compute(db: Database, spec: ViewSpec, snapshot: int, dirty: Mapping[str, pa.
     params = {**params, **_params(spec)}
     st = db._log.refresh()
     rows = db._engine.run(st, snapshot, sql, _used(sql, params), relations=dict(dirty) if dirty else None)
-    return _canonical(spec.kind, rows)
+    return _canonical(spec.shape, rows)
 
 
 def _canonical(kind: str, rows: pa.Table, sort: bool = True) -> pa.Table:
@@ -494,7 +542,8 @@ def read_rows(db: Database, entry: Mapping[str, Any], columns: list[str] | None 
         return ds.to_table(columns=[*columns, ROW_ID])
     t = ds.to_table()
     # a full materialization writes the rows in key order; after a refresh's delete + append they need a sort
-    return _canonical(entry["spec"]["kind"], t.drop_columns([ROW_ID]), sort=not entry.get("sorted", False))
+    shape = ViewSpec.from_dict(entry["spec"]).shape
+    return _canonical(shape, t.drop_columns([ROW_ID]), sort=not entry.get("sorted", False))
 
 
 def _entry(spec: ViewSpec, commit: int, rows: int, version: int, next_row: int, how: str,
@@ -599,10 +648,10 @@ def refresh_rows(db: Database, spec: ViewSpec, entry: Mapping[str, Any], since: 
         return Refresh(f"rebuilt ({why})", rows=compute(db, spec, upto))
     changed = changed_since(db, since, upto)
     if changed.num_rows == 0:
-        return Refresh("unchanged", fresh=SCHEMAS[spec.kind].empty_table())
+        return Refresh("unchanged", fresh=SCHEMAS[spec.shape].empty_table())
     ids = changed["id"].combine_chunks()
-    cols = ["node_ids", *(["group_key"] if "group_key" in SCHEMAS[spec.kind].names else []),
-            *(["node_id"] if spec.kind == "stepwise" else [])]
+    cols = ["node_ids", *(["group_key"] if "group_key" in SCHEMAS[spec.shape].names else []),
+            *(["node_id"] if spec.paths else [])]
     # the old rows (a Lance read) load on a thread while DuckDB finds and recomputes the touched groups
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="trellis-refresh") as pool:
         reading = pool.submit(_old_rows, db, entry, cols, ids)
@@ -618,7 +667,7 @@ def refresh_rows(db: Database, spec: ViewSpec, entry: Mapping[str, Any], since: 
                                  "AND node_id IN (SELECT id FROM __changed)", {"p": spec.prompt}, relations=rel)
         groups = now["grp"].combine_chunks().cast(_S)
         fresh: pa.Table | None = None
-        if spec.kind != "stepwise":  # recompute now; redone below if the old rows name more groups
+        if not spec.paths:  # recompute now; redone below if the old rows name more groups
             fresh = _recompute(db, spec, upto, ids, groups)
         old, touched = reading.result()
     dirty_leaves = None
@@ -629,7 +678,7 @@ def refresh_rows(db: Database, spec: ViewSpec, entry: Mapping[str, Any], since: 
             groups = pc.unique(pa.concat_arrays([groups, extra]))
             fresh = None
         touched = pc.or_(touched, pc.fill_null(pc.is_in(old["group_key"], value_set=groups), False))
-    if spec.kind == "stepwise":
+    if spec.paths:
         # trajectories through a touched node: their leaves, old and new (descendants of the touched)
         leaves = db._engine.run(
             st, upto,
