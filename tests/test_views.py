@@ -413,3 +413,30 @@ def test_view_statements_in_tql(g: trellisdb.Database, tmp_path: Path) -> None:
         g.query("CREATE VIEW q AS dpo WITH reward = reward('score')")
     with pytest.raises(trellisdb.ValidationError, match="reward must be a number"):
         g.query("CREATE VIEW q AS sft WITH reward = 'reward(''score'')', threshold = 0.5")
+
+
+def test_hash_lookup_by_prefix_falls_back_on_collisions() -> None:
+    """Export's sorted-prefix lookup equals Arrow's index_in, including when two hashes share
+    their first 16 hex digits, on nulls, absent hashes and values that are not hex digests."""
+    import hashlib
+
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    from trellisdb import export
+
+    real = [hashlib.sha256(str(i).encode()).hexdigest() for i in range(50)]
+    twin = real[0][:16] + "f" * 48  # same prefix as real[0], another hash
+    values = pa.array(real[::2])
+    probe = pa.array([real[4], None, real[1], real[0], real[48], twin])
+    keys = export._hex_keys(probe)
+    assert keys is not None and keys[1] == 0
+    got = export._positions(probe, keys, values)
+    assert got is None  # twin matches real[0]'s prefix, not its hash: the caller falls back
+    ok = pa.array([real[4], None, real[1], real[0], real[48]])
+    got = export._positions(ok, export._hex_keys(ok), values)
+    assert got is not None and got.equals(pc.index_in(ok, value_set=values).cast(pa.int32()))
+    assert got.to_pylist() == [2, None, None, 0, 24]
+    assert export._positions(ok, export._hex_keys(ok), pa.array([real[0], twin])) is None  # values collide
+    assert export._hex_keys(pa.array(["not a hash"])) is None
+    assert export._hex_keys(pa.array([real[0].upper()])) is None

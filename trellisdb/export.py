@@ -243,12 +243,26 @@ def _with_texts(db: Database, rows: pa.Table, kind: str, spec: Any, skip: bool, 
     cols = [rows[c].combine_chunks() for c in hashes]
     flat = [c.flatten() if pa.types.is_list(c.type) else c for c in cols]
     probe = pa.concat_arrays(flat) if flat else pa.array([], pa.string())
-    wanted = pc.drop_null(pc.unique(probe))
-    texts = db._engine.run(db._log.refresh(), commit,
+
+    def fetch(wanted: pa.Array) -> tuple[pa.Array, pa.Array]:
+        t = db._engine.run(db._log.refresh(), commit,
                            "SELECT hash, decode(content) AS text FROM artifacts_full WHERE hash IN (SELECT h FROM __h)",
                            relations={"__h": pa.table({"h": wanted})})
-    # one hash lookup for every hash column at once (each index_in call builds its hash table again)
-    found = texts["text"].combine_chunks().take(pc.index_in(probe, value_set=texts["hash"].combine_chunks()))
+        return t["hash"].combine_chunks(), t["text"].combine_chunks()
+
+    # one lookup for every hash column at once; by sorted hash prefixes when they are sha256 hex
+    # (Arrow's string hash tables slow down badly past a few 100k distinct values)
+    at: pa.Array | None = None
+    keys = _hex_keys(probe)
+    if keys is not None:
+        valid = pc.is_valid(probe).to_numpy(zero_copy_only=False)
+        _, first = np.unique(keys[valid], return_index=True)
+        hashes_found, values = fetch(probe.filter(pa.array(valid)).take(pa.array(first)))
+        at = _positions(probe, keys, hashes_found)
+    if at is None:  # not hex, or two hashes share a prefix: Arrow's hash lookup
+        hashes_found, values = fetch(pc.drop_null(pc.unique(probe)))
+        at = pc.index_in(probe, value_set=hashes_found)
+    found = values.take(at)
     lo = 0
     for c, col, f in zip(hashes, cols, flat, strict=True):
         name = c.removesuffix("_hash").removesuffix("_hashes") + ("s" if c.endswith("_hashes") else "")
@@ -260,6 +274,53 @@ def _with_texts(db: Database, rows: pa.Table, kind: str, spec: Any, skip: bool, 
             text = pa.ListArray.from_arrays(offsets, text, mask=col.is_null())
         rows = rows.append_column(name, text)
     return rows, int(n_missing)
+
+
+_NIBBLE = np.full(256, 255, np.uint8)
+_NIBBLE[np.frombuffer(b"0123456789abcdef", np.uint8)] = np.arange(16, dtype=np.uint8)
+
+
+def _hex_keys(a: pa.Array) -> np.ndarray | None:
+    """Per value, its first 16 hex digits as a uint64 (0 for nulls); None unless every value
+    is 64 lowercase hex digits (a sha256 hex digest, as artifact hashes are)."""
+    a = a.cast(pa.string())
+    keys = np.zeros(len(a), np.uint64)
+    v = pc.drop_null(a)
+    n = len(v)
+    if n == 0:
+        return keys
+    off = np.frombuffer(v.buffers()[1], np.int32)[v.offset : v.offset + n + 1]
+    if off[-1] - off[0] != 64 * n or not (np.diff(off) == 64).all():
+        return None
+    chars = np.frombuffer(v.buffers()[2], np.uint8)[off[0] : off[-1]].reshape(n, 64)[:, :16]
+    nib = _NIBBLE[chars]
+    if (nib == 255).any():
+        return None
+    packed = np.ascontiguousarray((nib[:, 0::2] << 4) | nib[:, 1::2])
+    keys[pc.is_valid(a).to_numpy(zero_copy_only=False)] = packed.view(">u8").ravel()
+    return keys
+
+
+def _positions(probe: pa.Array, keys: np.ndarray, values: pa.Array) -> pa.Array | None:
+    """``pc.index_in(probe, value_set=values)`` by binary search over sorted hash prefixes
+    (``keys``: ``_hex_keys(probe)``); None when prefixes collide (the caller falls back)."""
+    vk = _hex_keys(values)
+    if vk is None:
+        return None
+    order = np.argsort(vk, kind="stable")
+    sk = vk[order]
+    if len(sk) and (sk[1:] == sk[:-1]).any():
+        return None
+    valid = pc.is_valid(probe).to_numpy(zero_copy_only=False)
+    if not len(sk):
+        return pa.nulls(len(probe), pa.int32())
+    pos = np.minimum(np.searchsorted(sk, keys), len(sk) - 1)
+    idx = order[pos]
+    hit = (sk[pos] == keys) & valid
+    same = pc.fill_null(pc.equal(values.take(pa.array(idx)), probe), False).to_numpy(zero_copy_only=False)
+    if (hit & ~same).any():  # a prefix matched another hash
+        return None
+    return pa.array(idx.astype(np.int32), mask=~hit)
 
 
 def _split(rows: pa.Table, validation: float) -> pa.Array:
