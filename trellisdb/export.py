@@ -190,15 +190,16 @@ def _write(
                 prov.append(pa.table({"split": pa.array([split] * part.num_rows, pa.string()),
                                       "row": pa.array(np.arange(part.num_rows)), "node_ids": part["node_ids"]}))
                 target = os.path.join(tmp, fname)
-                if format == "parquet":
-                    queue.append((pool.submit(_parquet, part, target), part.num_rows))
-                    continue
                 fh = open(target, "wb")  # noqa: SIM115 (closed below, once its writes are done)
                 handles.append(fh)
+                writer = pq.ParquetWriter(fh, _plain_schema(part.schema)) if format == "parquet" else None
                 for lo in range(0, part.num_rows, CHUNK_ROWS):
-                    chunk = part.slice(lo, CHUNK_ROWS)
-                    queue.append((pool.submit(_layout(format, kind, chunk).write_ndjson, fh), chunk.num_rows))
+                    chunk = _plain(part.slice(lo, CHUNK_ROWS))  # while the writer writes the one before
+                    write = writer.write_table if writer else _layout(format, kind, chunk).write_ndjson
+                    queue.append((pool.submit(write, chunk if writer else fh), chunk.num_rows))
                     settle(1)
+                if writer:
+                    queue.append((pool.submit(writer.close), 0))
             provenance = pa.concat_tables(prov) if prov else pa.table({"split": pa.array([], pa.string())})
             queue.append((pool.submit(_parquet, provenance, os.path.join(tmp, "provenance.parquet")), 0))
             settle(0)
@@ -208,6 +209,15 @@ def _write(
     if progress and not total:
         progress(0, 0)
     return files, counts
+
+
+def _plain_schema(schema: pa.Schema) -> pa.Schema:
+    return pa.schema([f.with_type(f.type.value_type) if pa.types.is_dictionary(f.type) else f for f in schema])
+
+
+def _plain(t: pa.Table) -> pa.Table:
+    """``t`` with its dictionary-encoded text columns decoded (one chunk's texts copied)."""
+    return t.cast(_plain_schema(t.schema))
 
 
 def _parquet(t: pa.Table, target: str) -> None:
@@ -238,7 +248,8 @@ def _with_texts(db: Database, rows: pa.Table, kind: str, spec: Any, skip: bool, 
             f"{n_missing} row(s) of view {spec.name!r} lack a {roles!r} artifact, e.g. {ids[:10]}; add the "
             f"artifacts, or pass skip_missing=True (--skip-missing) to leave those rows out"
         )
-    rows = rows.filter(pc.invert(mask))
+    if n_missing:
+        rows = rows.filter(pc.invert(mask))
     hashes = [c for c in rows.column_names if c.endswith(("_hash", "_hashes"))]
     cols = [rows[c].combine_chunks() for c in hashes]
     flat = [c.flatten() if pa.types.is_list(c.type) else c for c in cols]
@@ -262,13 +273,14 @@ def _with_texts(db: Database, rows: pa.Table, kind: str, spec: Any, skip: bool, 
     if at is None:  # not hex, or two hashes share a prefix: Arrow's hash lookup
         hashes_found, values = fetch(pc.drop_null(pc.unique(probe)))
         at = pc.index_in(probe, value_set=hashes_found)
-    found = values.take(at)
     lo = 0
     for c, col, f in zip(hashes, cols, flat, strict=True):
         name = c.removesuffix("_hash").removesuffix("_hashes") + ("s" if c.endswith("_hashes") else "")
-        text: pa.Array = found.slice(lo, len(f))
+        # a dictionary over the fetched texts (no copy); _plain decodes it a chunk at a time
+        text: pa.Array = pa.DictionaryArray.from_arrays(at.slice(lo, len(f)), values)
         lo += len(f)
-        if pa.types.is_list(col.type):  # the steps' texts, in the lists' shape
+        if pa.types.is_list(col.type):  # the steps' texts, in the lists' shape (decoded here)
+            text = text.dictionary_decode()
             lengths = pc.fill_null(pc.list_value_length(col), 0).to_numpy(zero_copy_only=False)
             offsets = pa.array(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32))
             text = pa.ListArray.from_arrays(offsets, text, mask=col.is_null())
