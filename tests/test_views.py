@@ -366,6 +366,27 @@ def test_openevolve_sibling_preferences(tmp_path: Path) -> None:
         kids = sorted(c for c, p in parent.items() if p == r["group_key"] and score[c] is not None)
         assert r["node_ids"] == kids
         assert r["rewards"] == pytest.approx([score[c] for c in kids])
+    # SFT paths: the best programs with the chain of programs they were evolved from
+    best = sorted(v for v in score.values() if v is not None)[-5]
+    db.create_view("oep", "sft", reward="reward('combined_score')", threshold=best, path=True)
+    db.materialize("oep")
+    got = db.view("oep").to_pylist()
+    assert {r["node_id"] for r in got} == {pid for pid, v in score.items() if v is not None and v >= best}
+    for r in got:
+        chain = [r["node_id"]]
+        while parent[chain[-1]] in progs:
+            chain.append(parent[chain[-1]])
+        assert r["node_ids"] == chain[::-1] and len(r["response_hashes"]) == len(chain)
+    assert max(len(r["node_ids"]) for r in got) > 2
+    mp = db.export("oep", tmp_path / "oep", "openai", skip_missing=True)
+    lines = read_jsonl(tmp_path / "oep" / "train.jsonl")
+    assert len(lines) == mp["rows"] > 0
+    prov = pq.read_table(tmp_path / "oep" / "provenance.parquet")["node_ids"].to_pylist()
+    for line, path in zip(lines, prov, strict=True):  # a user / assistant turn per program with a prompt / response
+        texts = [openevolve.prompt_artifacts(progs[pid][1]) for pid in path]
+        want = [(role, t[name]) for t in texts for role, name in (("user", "prompt"), ("assistant", "response"))
+                if name in t]
+        assert [(m["role"], m["content"]) for m in line["messages"] if m["role"] != "system"] == want
     db.close()
 
 
