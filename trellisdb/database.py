@@ -27,7 +27,7 @@ import socket
 import threading
 import time
 import weakref
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
@@ -866,7 +866,7 @@ class Database:
         validation: float = 0.0,
         overwrite: bool = False,
         skip_missing: bool = False,
-        progress: Any = None,
+        progress: Callable[[int, int], None] | None = None,
     ) -> dict[str, Any]:
         """Write materialized view ``name`` to folder ``path`` as ``trl`` / ``openai`` JSONL or
         ``parquet``, with ``manifest.json``, ``provenance.parquet`` and a ``README.md`` card
