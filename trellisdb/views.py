@@ -616,15 +616,49 @@ def remove(db: Database, name: str) -> None:
 
 
 # ------------------------------------------------------------------ refresh
-def changed_since(db: Database, since: int, upto: int) -> pa.Table:
-    """Nodes the commits in ``(since, upto]`` touched: written, rewarded, given artifacts,
-    joined by an edge (either end) or compared."""
-    sql = " UNION ".join(
+def changed_since(since: int) -> str:
+    """SQL for the nodes the commits after ``since`` touched: written, rewarded, given
+    artifacts, joined by an edge (either end) or compared."""
+    return " UNION ".join(
         f"SELECT {col} AS id FROM {t}_history WHERE commit_id > {int(since)}"
         for t, col in (("nodes", "id"), ("rewards", "node_id"), ("node_artifacts", "node_id"), ("edges", "src"),
                        ("edges", "dst"), ("comparisons", "a"), ("comparisons", "b"))
     )
-    return db._engine.run(db._log.refresh(), upto, sql)
+
+
+def _members_sql(spec: ViewSpec, nodes: str, groups: str) -> str:
+    """SQL for the nodes a restricted compute reads: the members of the groups in relation
+    ``groups`` (column ``grp``), the nodes in ``nodes`` (column ``id``) and the other side of
+    their comparisons."""
+    kinds = ", ".join(f"'{k}'" for k in spec.via)
+    if spec.group_by == "parent":
+        grp_members = f"SELECT dst AS id FROM edges WHERE kind IN ({kinds}) AND src IN (SELECT grp FROM {groups})"
+    else:
+        grp_members = f"SELECT node_id AS id FROM node_artifacts WHERE name = $p AND hash IN (SELECT grp FROM {groups})"
+    return (f"{grp_members} UNION SELECT id FROM {nodes} UNION SELECT b FROM comparisons "
+            f"WHERE a IN (SELECT id FROM {nodes}) UNION SELECT a FROM comparisons WHERE b IN (SELECT id FROM {nodes})")
+
+
+def _dirty(db: Database, spec: ViewSpec, since: int, upto: int) -> tuple[pa.Array, pa.Array, pa.Array]:
+    """In one statement: the nodes the commits in ``(since, upto]`` touched, the groups they
+    are in now (the old rows name the groups they were in) and what a restricted compute of
+    those groups reads (``_members_sql``)."""
+    kinds = ", ".join(f"'{k}'" for k in spec.via)
+    if spec.group_by == "parent":
+        groups = (f"SELECT DISTINCT src AS grp FROM edges WHERE kind IN ({kinds}) "
+                  "AND dst IN (SELECT id FROM __changed)")
+    else:
+        groups = ("SELECT DISTINCT hash AS grp FROM node_artifacts WHERE name = $p "
+                  "AND node_id IN (SELECT id FROM __changed)")
+    sql = (f"WITH __changed AS MATERIALIZED ({changed_since(since)}), __groups AS MATERIALIZED ({groups}), "
+           f"__mem AS ({_members_sql(spec, '__changed', '__groups')}) "
+           "SELECT 0 AS what, id FROM __changed UNION ALL SELECT 1, grp FROM __groups "
+           "UNION ALL SELECT 2, id FROM __mem")
+    t = db._engine.run(db._log.refresh(), upto, sql, {"p": spec.prompt} if "$p" in sql else None)
+    what = t["what"].combine_chunks().to_numpy()
+    ids = t["id"].combine_chunks().cast(_S)
+    changed, groups, members = (ids.filter(pa.array(what == k)) for k in (0, 1, 2))
+    return changed, groups, members
 
 
 @dataclass
@@ -646,37 +680,30 @@ def refresh_rows(db: Database, spec: ViewSpec, entry: Mapping[str, Any], since: 
     if spec.kind == "replay" or global_condition:
         why = "a replay samples the whole view" if spec.kind == "replay" else "its condition reads other nodes"
         return Refresh(f"rebuilt ({why})", rows=compute(db, spec, upto))
-    changed = changed_since(db, since, upto)
-    if changed.num_rows == 0:
-        return Refresh("unchanged", fresh=SCHEMAS[spec.shape].empty_table())
-    ids = changed["id"].combine_chunks()
     cols = ["node_ids", *(["group_key"] if "group_key" in SCHEMAS[spec.shape].names else []),
             *(["node_id"] if spec.paths else [])]
     # the old rows (a Lance read) load on a thread while DuckDB finds and recomputes the touched groups
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="trellis-refresh") as pool:
-        reading = pool.submit(_old_rows, db, entry, cols, ids)
+        reading = pool.submit(read_rows, db, entry, cols)
+        ids, groups, members = _dirty(db, spec, since, upto)
+        if len(ids) == 0:
+            reading.cancel()
+            return Refresh("unchanged", fresh=SCHEMAS[spec.shape].empty_table())
+        touching = pool.submit(lambda: _touches(reading.result(), ids))
         st = db._log.refresh()
         kinds = ", ".join(f"'{k}'" for k in spec.via)
         rel = {"__changed": pa.table({"id": ids})}
-        # groups the touched nodes are in now (the old rows name the groups they were in)
-        if spec.group_by == "parent":
-            now = db._engine.run(st, upto, f"SELECT DISTINCT src AS grp FROM edges WHERE kind IN ({kinds}) "
-                                 "AND dst IN (SELECT id FROM __changed)", relations=rel)
-        else:
-            now = db._engine.run(st, upto, "SELECT DISTINCT hash AS grp FROM node_artifacts WHERE name = $p "
-                                 "AND node_id IN (SELECT id FROM __changed)", {"p": spec.prompt}, relations=rel)
-        groups = now["grp"].combine_chunks().cast(_S)
         fresh: pa.Table | None = None
         if not spec.paths:  # recompute now; redone below if the old rows name more groups
-            fresh = _recompute(db, spec, upto, ids, groups)
-        old, touched = reading.result()
+            fresh = _recompute(db, spec, upto, ids, groups, members=members)
+        old, touched = reading.result(), touching.result()
     dirty_leaves = None
     if "group_key" in old.column_names:
         before = pc.drop_null(old["group_key"].filter(touched)).combine_chunks().cast(_S)
         extra = pc.filter(before, pc.invert(pc.is_in(before, value_set=groups)))
         if len(extra):  # groups a touched node has left: they change too
             groups = pc.unique(pa.concat_arrays([groups, extra]))
-            fresh = None
+            fresh = members = None
         touched = pc.or_(touched, pc.fill_null(pc.is_in(old["group_key"], value_set=groups), False))
     if spec.paths:
         # trajectories through a touched node: their leaves, old and new (descendants of the touched)
@@ -692,39 +719,25 @@ def refresh_rows(db: Database, spec: ViewSpec, entry: Mapping[str, Any], since: 
         dirty_leaves = pc.unique(pa.concat_arrays([leaves, old_leaves]))
         touched = pc.or_(touched, pc.is_in(old["node_id"], value_set=dirty_leaves))
     if fresh is None:
-        fresh = _recompute(db, spec, upto, ids, groups, dirty_leaves)
+        fresh = _recompute(db, spec, upto, ids, groups, dirty_leaves, members)
     drop = old[ROW_ID].filter(touched).to_numpy()
     return Refresh(f"refreshed ({len(ids)} touched nodes, {len(drop)} rows replaced by {fresh.num_rows})",
                    drop=drop, fresh=fresh)
 
 
-def _old_rows(db: Database, entry: Mapping[str, Any], cols: list[str], ids: pa.Array) -> tuple[pa.Table, Any]:
-    """The stored rows' ``cols`` and, per row, whether a node behind it is in ``ids``."""
-    old = read_rows(db, entry, columns=cols)
-    return old, _touches(old, ids)
-
-
 def _recompute(db: Database, spec: ViewSpec, upto: int, ids: pa.Array, groups: pa.Array,
-               leaves: pa.Array | None = None) -> pa.Table:
+               leaves: pa.Array | None = None, members: pa.Array | None = None) -> pa.Table:
     """The rows of the dirty groups and nodes (``leaves``: stepwise's dirty trajectories),
-    computed over the nodes they can read: the touched, the members of the touched groups,
-    and the other side of their comparisons."""
-    kinds = ", ".join(f"'{k}'" for k in spec.via)
+    computed over the nodes they can read (``members``, found here when not given): the
+    touched, the members of the touched groups, and the other side of their comparisons."""
     dirty: dict[str, pa.Table] = {"__dirty_nodes": pa.table({"id": ids}), "__dirty_groups": pa.table({"grp": groups})}
     if leaves is not None:
         dirty["__dirty_leaves"] = pa.table({"id": leaves})
-    if spec.group_by == "parent":
-        grp_members = (f"SELECT dst AS id FROM edges WHERE kind IN ({kinds}) "
-                       "AND src IN (SELECT grp FROM __dirty_groups)")
-    else:
-        grp_members = ("SELECT node_id AS id FROM node_artifacts WHERE name = $p "
-                       "AND hash IN (SELECT grp FROM __dirty_groups)")
-    dirty["__members"] = db._engine.run(
-        db._log.refresh(), upto,
-        f"{grp_members} UNION SELECT id FROM __dirty_nodes UNION SELECT b FROM comparisons "
-        "WHERE a IN (SELECT id FROM __dirty_nodes) UNION SELECT a FROM comparisons WHERE b IN (SELECT id FROM __dirty_nodes)",
-        {"p": spec.prompt} if spec.group_by == "prompt" else None, relations=dirty,
-    )
+    if members is None:
+        sql = _members_sql(spec, "__dirty_nodes", "__dirty_groups")
+        members = db._engine.run(db._log.refresh(), upto, sql, {"p": spec.prompt} if "$p" in sql else None,
+                                 relations=dirty)["id"].combine_chunks()
+    dirty["__members"] = pa.table({"id": members})
     return compute(db, spec, upto, dirty)
 
 
