@@ -517,6 +517,9 @@ class ViewCatalog:
 
 
 ROW_ID = "__row"
+#: A refreshed view's fragments are merged (those under ``VIEW_FRAGMENT_ROWS`` rows) past this many.
+VIEW_FRAGMENTS = 16
+VIEW_FRAGMENT_ROWS = 1 << 18
 
 
 def _uri(db: Database, name: str) -> str:
@@ -586,11 +589,16 @@ def store_delta(
         ds = lance.write_dataset(t.cast(ds.schema), _uri(db, spec.name), mode="append")
     else:
         ds = lance.dataset(_uri(db, spec.name))
+    merged = len(ds.get_fragments()) > VIEW_FRAGMENTS
+    if merged:  # each refresh appends a fragment: merge the small ones (and drop deleted rows) now and then
+        ds.optimize.compact_files(target_rows_per_fragment=VIEW_FRAGMENT_ROWS, materialize_deletions=True)
+        ds = lance.dataset(_uri(db, spec.name))
     entry = _entry(spec, commit, int(old["rows"]) - len(drop) + fresh.num_rows, ds.version,
                    start + fresh.num_rows, how)
     cat.entries[spec.name] = entry
     cat.save()
-    _prune(ds)
+    if merged or ds.version % 16 == 0:  # listing the versions costs up to ~30 ms: not on every refresh
+        _prune(ds)
     return entry
 
 
