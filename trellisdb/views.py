@@ -425,11 +425,13 @@ def compute(db: Database, spec: ViewSpec, snapshot: int, dirty: Mapping[str, pa.
     base, params, _ = _base(db, spec, snapshot)
     if spec.kind == "replay":
         return _replay(db, spec, snapshot, base, params)
-    sql = _sql(spec, base, dirty is not None)
+    # sorted by DuckDB (in parallel, bytewise like Arrow): ~2x cheaper here than an Arrow sort_by of the result
+    order = ", ".join(f"{k} ASC NULLS LAST" for k in ROW_KEYS[spec.shape])
+    sql = f"SELECT * FROM ({_sql(spec, base, dirty is not None)}) ORDER BY {order}"
     params = {**params, **_params(spec)}
     st = db._log.refresh()
     rows = db._engine.run(st, snapshot, sql, _used(sql, params), relations=dict(dirty) if dirty else None)
-    return _canonical(spec.shape, rows)
+    return _canonical(spec.shape, rows, sort=False)
 
 
 def _canonical(kind: str, rows: pa.Table, sort: bool = True) -> pa.Table:
