@@ -237,6 +237,28 @@ def test_many_refreshes_keep_the_view_compact(g: trellisdb.Database, monkeypatch
     again.close()
 
 
+def test_a_view_stored_in_the_older_file_format_refreshes_and_rebuilds(
+    g: trellisdb.Database, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Stores made before views used Lance format 2.0 hold 2.2 files: a refresh appends in the
+    dataset's own format, a materialization rewrites it in the current one."""
+    import lance
+
+    monkeypatch.setattr(views, "VIEW_FORMAT", "2.2")
+    g.create_view("v", "grpo", reward="reward('score')")
+    g.materialize("v")
+    monkeypatch.setattr(views, "VIEW_FORMAT", "2.0")
+    grow(g, np.random.default_rng(3), 6)
+    e = g.refresh("v")
+    spec = views.ViewCatalog(g.path).load().spec("v")
+    assert g.view("v").to_arrow().equals(views.compute(g, spec, e["commit"]))
+    uri = os.path.join(g.path, e["file"])
+    assert lance.dataset(uri).data_storage_version == "2.2"
+    e = g.materialize("v")
+    assert lance.dataset(uri).data_storage_version == "2.0"
+    assert g.view("v").to_arrow().equals(views.compute(g, spec, e["commit"]))
+
+
 def test_views_are_listed_and_pinned(g: trellisdb.Database) -> None:
     g.create_view("p", "preference", reward="reward('score')", where="kind IS NULL OR kind <> 'x'")
     c = g.materialize("p")["commit"]

@@ -63,7 +63,7 @@ import shutil
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Final
 
 import numpy as np
 import pyarrow as pa
@@ -519,6 +519,11 @@ class ViewCatalog:
 
 
 ROW_ID = "__row"
+#: The Lance file format of view rows: derived data that is read whole (exports) or by a few
+#: columns (refresh), so fast over small. At 1M nodes (408k pairs) 2.0 reads 4x faster than the
+#: default 2.2 (0.1 s vs 0.44 s; a refresh's columns 0.03 s vs 0.1 s) and writes 1.7x faster,
+#: at 1.9x the size on disk (189 MB vs 100 MB).
+VIEW_FORMAT: Final = "2.0"
 #: A refreshed view's fragments are merged (those under ``VIEW_FRAGMENT_ROWS`` rows) past this many.
 VIEW_FRAGMENTS = 16
 VIEW_FRAGMENT_ROWS = 1 << 18
@@ -565,7 +570,7 @@ def store(db: Database, cat: ViewCatalog, spec: ViewSpec, rows: pa.Table, commit
 
     os.makedirs(os.path.join(db.path, VIEWS_DIR), exist_ok=True)
     t = rows.append_column(ROW_ID, pa.array(np.arange(rows.num_rows, dtype=np.int64)))
-    ds = lance.write_dataset(t, _uri(db, spec.name), mode="overwrite")
+    ds = lance.write_dataset(t, _uri(db, spec.name), mode="overwrite", data_storage_version=VIEW_FORMAT)
     entry = _entry(spec, commit, rows.num_rows, ds.version, rows.num_rows, how, sorted=True)
     cat.entries[spec.name] = entry
     cat.save()
