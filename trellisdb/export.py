@@ -177,8 +177,9 @@ def _write(
             if progress and n:
                 progress(done, total)
 
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="trellis-export") as pool:
-        try:
+    # the files close after the pool has shut down: no write is in flight on them then
+    try:
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="trellis-export") as pool:
             for split in ("train", "validation"):
                 if split == "validation" and validation == 0.0:
                     continue
@@ -203,9 +204,9 @@ def _write(
             provenance = pa.concat_tables(prov) if prov else pa.table({"split": pa.array([], pa.string())})
             queue.append((pool.submit(_parquet, provenance, os.path.join(tmp, "provenance.parquet")), 0))
             settle(0)
-        finally:
-            for fh in handles:
-                fh.close()
+    finally:
+        for fh in handles:
+            fh.close()
     if progress and not total:
         progress(0, 0)
     return files, counts
