@@ -193,6 +193,7 @@ def test_index_builds_in_the_background_once_a_space_is_big(tmp_path: Path, monk
 
 def test_a_retrain_commits_while_writers_keep_committing(tmp_path: Path) -> None:
     import threading
+    import time
 
     x = clustered(1500, 8, 8, seed=3)
     db = trellisdb.connect(tmp_path / "db", embedding_dim=8, auto_index=False)
@@ -207,10 +208,16 @@ def test_a_retrain_commits_while_writers_keep_committing(tmp_path: Path) -> None
                 s.add_node(summary="w", embedding=-x[len(commits) % 1500])
             commits.append(1)
 
+    def commits_reach(n: int) -> None:  # the writer is busy before each build (a slow machine may lag)
+        deadline = time.monotonic() + 60
+        while len(commits) < n and time.monotonic() < deadline and th.is_alive():
+            time.sleep(0.01)
+
     th = threading.Thread(target=write)
     th.start()
     try:
-        for _ in range(2):  # a create, then a retrain over the new rows
+        for i in range(2):  # a create, then a retrain over the new rows
+            commits_reach(3 * (i + 1))
             st = db.build_index()
             assert st["state"] == "indexed", st
     finally:
