@@ -482,28 +482,33 @@ def test_view_statements_in_tql(g: trellisdb.Database, tmp_path: Path) -> None:
         g.query("CREATE VIEW q AS sft WITH reward = 'reward(''score'')', threshold = 0.5")
 
 
-def test_hash_lookup_by_prefix_falls_back_on_collisions() -> None:
-    """Export's sorted-prefix lookup equals Arrow's index_in, including when two hashes share
-    their first 16 hex digits, on nulls, absent hashes and values that are not hex digests."""
+def test_export_texts_from_a_hash_stored_twice_and_binary_content(tmp_path: Path) -> None:
+    """Two writers that store the same content at once leave two rows with its hash: the export
+    still gives each row its text once. A text the layout needs that is not UTF-8 is an error
+    naming the artifact, and nothing is written; the view's other rows export once it is left out."""
     import hashlib
 
-    import pyarrow as pa
-    import pyarrow.compute as pc
-
-    from trellisdb import export
-
-    real = [hashlib.sha256(str(i).encode()).hexdigest() for i in range(50)]
-    twin = real[0][:16] + "f" * 48  # same prefix as real[0], another hash
-    values = pa.array(real[::2])
-    probe = pa.array([real[4], None, real[1], real[0], real[48], twin])
-    keys = export._hex_keys(probe)
-    assert keys is not None and keys[1] == 0
-    got = export._positions(probe, keys, values)
-    assert got is None  # twin matches real[0]'s prefix, not its hash: the caller falls back
-    ok = pa.array([real[4], None, real[1], real[0], real[48]])
-    got = export._positions(ok, export._hex_keys(ok), values)
-    assert got is not None and got.equals(pc.index_in(ok, value_set=values).cast(pa.int32()))
-    assert got.to_pylist() == [2, None, None, 0, 24]
-    assert export._positions(ok, export._hex_keys(ok), pa.array([real[0], twin])) is None  # values collide
-    assert export._hex_keys(pa.array(["not a hash"])) is None
-    assert export._hex_keys(pa.array([real[0].upper()])) is None
+    a, b = trellisdb.connect(tmp_path / "db"), trellisdb.connect(tmp_path / "db")
+    ta, tb = a.transaction(), b.transaction()
+    ta.__enter__(), tb.__enter__()  # both buffer before either commits: neither sees the other's row
+    sa, sb = a.session(task="t", agent="x", id="sa"), b.session(task="t", agent="x", id="sb")
+    sa.add_node(id="n1", artifacts={"prompt": "same text", "response": "first"})
+    sa.add_reward("n1", "score", 1.0)
+    sb.add_node(id="n2", artifacts={"prompt": "same text", "response": b"\xff\xfe not text"})
+    sb.add_reward("n2", "score", 0.0)
+    ta.__exit__(None, None, None)
+    tb.__exit__(None, None, None)
+    same = hashlib.sha256(b"same text").hexdigest()
+    assert a.sql(f"SELECT count(*) AS n FROM artifacts_history WHERE hash = '{same}'").to_pylist() == [{"n": 2}]
+    a.create_view("all", "sft")
+    a.materialize("all")
+    bad = hashlib.sha256(b"\xff\xfe not text").hexdigest()
+    with pytest.raises(trellisdb.ExportError, match=rf"1 artifact\(s\) the export needs as text are not UTF-8, e\.g\. \['{bad}'\]"):
+        a.export("all", tmp_path / "out", "trl")
+    assert not (tmp_path / "out").exists()
+    a.create_view("good", "sft", reward="reward('score')", threshold=0.5)
+    a.materialize("good")
+    a.export("good", tmp_path / "out", "parquet")
+    t = pq.read_table(tmp_path / "out" / "train.parquet")
+    assert t.select(["node_id", "prompt", "response"]).to_pylist() == [
+        {"node_id": "n1", "prompt": "same text", "response": "first"}]

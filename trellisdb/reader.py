@@ -20,7 +20,7 @@ from __future__ import annotations
 import re
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import duckdb
@@ -217,6 +217,21 @@ class SqlEngine:
             con.execute(f"CREATE OR REPLACE TEMP VIEW commits AS SELECT * FROM __commits WHERE id <= {SNAPSHOT}")
             self._local.commits_key = (len(state.commits), len(state.tags))
         return con
+
+    def scan(
+        self, state: LogState, snapshot: int, name: str, columns: Sequence[str], batch_rows: int = 1 << 20
+    ) -> Iterator[pa.RecordBatch]:
+        """Every version of table ``name``'s rows visible at ``snapshot`` (``T_full_history``),
+        ``columns`` only, streamed straight from Lance in batches of at most ``batch_rows``.
+
+        For reading a bulky column in bulk: Lance scans it several times faster than DuckDB
+        reads the same rows through the Arrow stream of the ``T_full`` views."""
+        pred = _visible(snapshot, state.aborted(below=snapshot))
+        try:
+            ds = self._tables.dataset(name)
+            yield from ds.to_batches(columns=list(columns), filter=pred, batch_size=batch_rows)
+        except (OSError, ValueError, RuntimeError) as e:
+            raise CorruptionError(f"table {name!r} could not be read ({e}); run `trellis verify` to name the damaged file") from e
 
     def adjacency(self, state: LogState) -> Adjacency:
         """The committed edges as of ``state`` as adjacency arrays (``trellisdb/graph.py``):
