@@ -512,3 +512,23 @@ def test_export_texts_from_a_hash_stored_twice_and_binary_content(tmp_path: Path
     t = pq.read_table(tmp_path / "out" / "train.parquet")
     assert t.select(["node_id", "prompt", "response"]).to_pylist() == [
         {"node_id": "n1", "prompt": "same text", "response": "first"}]
+
+
+def test_export_texts_read_in_many_batches(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The artifacts' contents stream from Lance in batches (a few hundred rows each here):
+    every row still gets its own texts, and the rows keep the view's order."""
+    from trellisdb import export
+
+    db = trellisdb.connect(tmp_path / "db")
+    with db.transaction():
+        s = db.session(task="t", agent="a", id="s")
+        for i in range(700):
+            s.add_node(id=f"n{i:03d}", artifacts={"prompt": f"question {i % 350}", "response": f"answer {i}"})
+            s.add_reward(f"n{i:03d}", "score", 1.0)
+    db.create_view("s", "sft", reward="reward('score')", threshold=0.5)
+    db.materialize("s")
+    monkeypatch.setattr(export, "TEXT_BATCH_BYTES", 1)  # 256 rows a batch: 1050 artifacts, 5 batches
+    db.export("s", tmp_path / "out", "parquet")
+    got = pq.read_table(tmp_path / "out" / "train.parquet").select(["node_id", "prompt", "response"]).to_pylist()
+    assert got == [{"node_id": f"n{i:03d}", "prompt": f"question {i % 350}", "response": f"answer {i}"}
+                   for i in range(700)]

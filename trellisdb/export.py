@@ -289,7 +289,7 @@ def _resolve(db: Database, commit: int, probe: pa.Array) -> tuple[pa.Array, pa.A
         stats = db._engine.run(state, commit, "SELECT count(*) AS n, coalesce(sum(size), 0) AS bytes "
                                "FROM artifacts_history", tables=("artifacts",)).to_pylist()[0]
         per_row = max(1, int(stats["bytes"]) // max(1, int(stats["n"])))
-        batch = min(1 << 20, max(1 << 12, TEXT_BATCH_BYTES // per_row))
+        batch = min(1 << 20, max(256, TEXT_BATCH_BYTES // per_row))
         for b in db._engine.scan(state, commit, "artifacts", ("hash", "content"), batch_rows=batch):
             found.append(pl.from_arrow(b).join(want, on="hash", how="semi"))  # type: ignore[union-attr]
     texts = (pl.concat(found) if found else pl.DataFrame(schema={"hash": pl.String, "content": pl.Binary}))
