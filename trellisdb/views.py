@@ -655,9 +655,9 @@ def _members_sql(spec: ViewSpec, nodes: str, groups: str) -> str:
 
 
 def _dirty(db: Database, spec: ViewSpec, since: int, upto: int) -> tuple[pa.Array, pa.Array, pa.Array]:
-    """In one statement: the nodes the commits in ``(since, upto]`` touched, the groups they
-    are in now (the old rows name the groups they were in) and what a restricted compute of
-    those groups reads (``_members_sql``)."""
+    """The nodes the commits in ``(since, upto]`` touched, then in one statement the groups
+    they are in now (the old rows name the groups they were in) and what a restricted compute
+    of those groups reads (``_members_sql``)."""
     kinds = ", ".join(f"'{k}'" for k in spec.via)
     if spec.group_by == "parent":
         groups = (f"SELECT DISTINCT src AS grp FROM edges WHERE kind IN ({kinds}) "
@@ -665,15 +665,18 @@ def _dirty(db: Database, spec: ViewSpec, since: int, upto: int) -> tuple[pa.Arra
     else:
         groups = ("SELECT DISTINCT hash AS grp FROM node_artifacts WHERE name = $p "
                   "AND node_id IN (SELECT id FROM __changed)")
-    sql = (f"WITH __changed AS MATERIALIZED ({changed_since(since)}), __groups AS MATERIALIZED ({groups}), "
-           f"__mem AS ({_members_sql(spec, '__changed', '__groups')}) "
-           "SELECT 0 AS what, id FROM __changed UNION ALL SELECT 1, grp FROM __groups "
-           "UNION ALL SELECT 2, id FROM __mem")
-    t = db._engine.run(db._log.refresh(), upto, sql, {"p": spec.prompt} if "$p" in sql else None)
+    state = db._log.refresh()
+    # the touched nodes first, on their own: as a CTE DuckDB guessed them at millions of rows and
+    # built its hash tables on the edges (0.17 s at 1M nodes; 0.07 s in two statements)
+    changed = db._engine.run(state, upto, changed_since(since))
+    sql = (f"WITH __groups AS MATERIALIZED ({groups}), __mem AS ({_members_sql(spec, '__changed', '__groups')}) "
+           "SELECT 1 AS what, grp AS id FROM __groups UNION ALL SELECT 2, id FROM __mem")
+    t = db._engine.run(state, upto, sql, {"p": spec.prompt} if "$p" in sql else None,
+                       relations={"__changed": changed})
     what = t["what"].combine_chunks().to_numpy()
     ids = t["id"].combine_chunks().cast(_S)
-    changed, groups, members = (ids.filter(pa.array(what == k)) for k in (0, 1, 2))
-    return changed, groups, members
+    groups_now, members = (ids.filter(pa.array(what == k)) for k in (1, 2))
+    return changed["id"].combine_chunks().cast(_S), groups_now, members
 
 
 @dataclass
