@@ -224,7 +224,7 @@ class SqlEngine:
         """Every version of table ``name``'s rows visible at ``snapshot`` (``T_full_history``),
         ``columns`` only, streamed straight from Lance in batches of at most ``batch_rows``.
 
-        For reading a bulky column in bulk: Lance scans it several times faster than DuckDB
+        For reading a bulky column in bulk: Lance scans it 2-3x faster than DuckDB
         reads the same rows through the Arrow stream of the ``T_full`` views."""
         pred = _visible(snapshot, state.aborted(below=snapshot))
         try:
