@@ -498,6 +498,7 @@ def test_export_texts_from_a_hash_stored_twice_and_binary_content(tmp_path: Path
     sb.add_reward("n2", "score", 0.0)
     ta.__exit__(None, None, None)
     tb.__exit__(None, None, None)
+    b.close()
     same = hashlib.sha256(b"same text").hexdigest()
     assert a.sql(f"SELECT count(*) AS n FROM artifacts_history WHERE hash = '{same}'").to_pylist() == [{"n": 2}]
     a.create_view("all", "sft")

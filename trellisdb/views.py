@@ -527,6 +527,8 @@ VIEW_FORMAT: Final = "2.0"
 #: A refreshed view's fragments are merged (those under ``VIEW_FRAGMENT_ROWS`` rows) past this many.
 VIEW_FRAGMENTS = 16
 VIEW_FRAGMENT_ROWS = 1 << 18
+#: Old view versions are pruned after a merge and on every this-many-th version (listing them costs ~30 ms).
+PRUNE_EVERY = 16
 
 
 def _uri(db: Database, name: str) -> str:
@@ -604,7 +606,7 @@ def store_delta(
                    start + fresh.num_rows, how)
     cat.entries[spec.name] = entry
     cat.save()
-    if merged or ds.version % 16 == 0:  # listing the versions costs up to ~30 ms: not on every refresh
+    if merged or ds.version % PRUNE_EVERY == 0:  # not on every refresh
         _prune(ds)
     return entry
 
