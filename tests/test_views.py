@@ -533,3 +533,35 @@ def test_export_texts_read_in_many_batches(tmp_path: Path, monkeypatch: pytest.M
     got = pq.read_table(tmp_path / "out" / "train.parquet").select(["node_id", "prompt", "response"]).to_pylist()
     assert got == [{"node_id": f"n{i:03d}", "prompt": f"question {i % 350}", "response": f"answer {i}"}
                    for i in range(700)]
+
+
+def test_export_texts_when_hash_keys_collide(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The export joins on 64-bit keys of the hash strings and checks every match. With every
+    key made the same (a collision everywhere) it still gives each row its own texts, and a
+    binary artifact outside the view that now shares a key with wanted ones is no error."""
+    import polars as pl
+
+    from trellisdb import export
+
+    db = trellisdb.connect(tmp_path / "db")
+    with db.transaction():
+        s = db.session(task="t", agent="a", id="s")
+        for i in range(5):
+            s.add_node(id=f"n{i}", artifacts={"prompt": f"question {i % 2}", "response": f"answer {i}"})
+            s.add_reward(f"n{i}", "score", 1.0 if i != 4 else 0.0)
+        s.add_node(id="bin", artifacts={"response": b"\xff\xfe binary"})
+    db.create_view("s", "sft", reward="reward('score')", threshold=0.5)
+    db.materialize("s")
+    calls = []
+    real = export._resolve
+
+    def spy(*a: Any, **k: Any) -> Any:
+        calls.append(k.get("exact", False))
+        return real(*a, **k)
+
+    monkeypatch.setattr(pl.Series, "hash", lambda self, seed=0: pl.Series(self.name, [0] * len(self), pl.UInt64))
+    monkeypatch.setattr(export, "_resolve", spy)
+    db.export("s", tmp_path / "out", "parquet")
+    got = pq.read_table(tmp_path / "out" / "train.parquet").select(["node_id", "prompt", "response"]).to_pylist()
+    assert got == [{"node_id": f"n{i}", "prompt": f"question {i % 2}", "response": f"answer {i}"} for i in range(4)]
+    assert calls == [False, True]  # the keyed lookup, then the exact one
