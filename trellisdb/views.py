@@ -217,7 +217,9 @@ _DEFAULTS = {f.name: f.default for f in dataclasses.fields(ViewSpec) if f.defaul
 # ------------------------------------------------------------------ SQL
 #: The scan the compiled base starts from, and the same scan restricted to a refresh's nodes.
 _SCAN = "s0 AS (SELECT * FROM nodes)"
-_SCAN_MEMBERS = "s0 AS (SELECT * FROM nodes WHERE id IN (SELECT id FROM __members))"
+#: Materialized: inlined, DuckDB joined the members' rewards with every node before the
+#: semi-join on ``__members`` (a 1M-row hash table; at 1M nodes 0.23 s vs 0.15 s for a preference refresh's compute).
+_SCAN_MEMBERS = "s0 AS MATERIALIZED (SELECT * FROM nodes WHERE id IN (SELECT id FROM __members))"
 _REWARDS = "(SELECT node_id, value FROM rewards WHERE channel = "
 
 
