@@ -536,9 +536,9 @@ def test_export_texts_read_in_many_batches(tmp_path: Path, monkeypatch: pytest.M
 
 
 def test_export_texts_when_hash_keys_collide(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The export joins on 64-bit keys of the hash strings and checks every match. With every
-    key made the same (a collision everywhere) it still gives each row its own texts, and a
-    binary artifact outside the view that now shares a key with wanted ones is no error."""
+    """The export joins on 64-bit keys of the hash strings and checks every match on a second
+    hash. With every key made the same (a collision everywhere) it still gives each row its own
+    texts, and a binary artifact outside the view that now shares a key with wanted ones is no error."""
     import polars as pl
 
     from trellisdb import export
@@ -559,7 +559,10 @@ def test_export_texts_when_hash_keys_collide(tmp_path: Path, monkeypatch: pytest
         calls.append(k.get("exact", False))
         return real(*a, **k)
 
-    monkeypatch.setattr(pl.Series, "hash", lambda self, seed=0: pl.Series(self.name, [0] * len(self), pl.UInt64))
+    real_hash = pl.Series.hash
+    # every key the same; the check hash (another seed) stays real, so each match fails its check
+    monkeypatch.setattr(pl.Series, "hash", lambda self, seed=0: pl.Series(self.name, [0] * len(self), pl.UInt64)
+                        if seed == 0 else real_hash(self, seed))
     monkeypatch.setattr(export, "_resolve", spy)
     db.export("s", tmp_path / "out", "parquet")
     got = pq.read_table(tmp_path / "out" / "train.parquet").select(["node_id", "prompt", "response"]).to_pylist()
