@@ -11,6 +11,8 @@ from typing import Any
 
 import numpy as np
 import polars as pl
+import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.json as pajson
 import pyarrow.parquet as pq
 import pytest
@@ -344,7 +346,8 @@ def test_export_layouts(g: trellisdb.Database, tmp_path: Path) -> None:
         man = json.loads((out / "manifest.json").read_text())
         defn = next(v["definition"] for v in g.views() if v["name"] == kind)
         assert man["commit"] == g.log()[-1]["id"] and man["definition"] == defn and man["rows"] == len(lines)
-        assert man["view"] == kind and man["format"] == fmt and "provenance.parquet" in man["files"].values()
+        assert man["view"] == kind and man["format"] == fmt and man["files"]["provenance"] == "provenance.parquet"
+        assert man["files"]["train"] == ["train.jsonl"]
         prov = pq.read_table(out / "provenance.parquet")
         assert prov.num_rows == len(lines) and all(prov["node_ids"].to_pylist())
         assert kind in (out / "README.md").read_text()
@@ -385,6 +388,39 @@ def test_export_split_paths_missing_and_empty(g: trellisdb.Database, tmp_path: P
     m = g.export("none", tmp_path / "empty", "trl", progress=lambda d, n: seen.append((d, n)))
     assert m["rows"] == 0 and (tmp_path / "empty" / "train.jsonl").read_text() == ""
     assert json.loads((tmp_path / "empty" / "manifest.json").read_text())["counts"] == {"train": 0}
+
+
+def test_export_parquet_in_shards(g: trellisdb.Database, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Parquet split over ``SHARD_BYTES`` is written as shards named the Hugging Face way;
+    read in order they are the one-file export, and provenance counts rows through them."""
+    from trellisdb import export
+
+    g.create_view("p", "preference", reward="reward('score')", margin=0.0)
+    g.materialize("p")
+    seen: list[tuple[int, int]] = []
+    for validation in (0.0, 0.5):
+        one = g.export("p", tmp_path / f"one{validation}", "parquet", validation=validation)
+        monkeypatch.setattr(export, "SHARD_BYTES", 1)  # a shard per row
+        seen.clear()
+        out = tmp_path / f"shards{validation}"
+        m = g.export("p", out, "parquet", validation=validation, progress=lambda d, n: seen.append((d, n)))
+        monkeypatch.undo()
+        assert m["counts"] == one["counts"] and seen[-1] == (m["rows"], m["rows"]) and m["rows"] >= 4
+        assert [d for d, _ in seen] == sorted(d for d, _ in seen)
+        prov = pq.read_table(out / "provenance.parquet")
+        for split, n in m["counts"].items():
+            assert one["files"][split] == [f"{split}.parquet"]
+            names = m["files"][split]
+            assert names == ([f"{split}.parquet"] if n == 1 else [f"{split}-{i:05d}-of-{n:05d}.parquet" for i in range(n)])
+            parts = [pq.read_table(out / name) for name in names]
+            assert all(t.num_rows == 1 for t in parts)
+            whole = pq.read_table(tmp_path / f"one{validation}" / f"{split}.parquet")
+            assert pa.concat_tables(parts).equals(whole)
+            assert pl.read_parquet(out / f"{split}*.parquet").height == n
+            mine = prov.filter(pc.equal(prov["split"], split))
+            assert mine["row"].to_pylist() == list(range(n))
+            assert mine["node_ids"].to_pylist() == whole["node_ids"].to_pylist()
+            assert f"`{names[0]}`" in (out / "README.md").read_text()
 
 
 @pytest.mark.skipif(not openevolve.available(), reason="../shared/data is not present")

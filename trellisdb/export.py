@@ -3,7 +3,8 @@
 ``db.export(name, path, format=...)`` writes a folder::
 
     path/
-      train.jsonl | train.parquet          rows whose task hashes to the train side
+      train.jsonl | train.parquet          rows whose task hashes to the train side (Parquet over 500 MB:
+                                           train-00000-of-0000N.parquet ..., written in parallel)
       validation.jsonl | ...               the others (absent when the fraction is 0)
       provenance.parquet                   split, row, node_ids: the nodes behind every row
       manifest.json                        view, definition, commit, format, counts, split rule, files
@@ -42,6 +43,7 @@ import shutil
 import tempfile
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from queue import SimpleQueue
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -66,6 +68,11 @@ CHUNK_ROWS = (4096, 1 << 17)
 #: decoded copy (a shared system prompt in every row of 408k pairs is 393 MB decoded).
 DICTIONARY_SHARE = 0.25
 DICTIONARY_BYTES = 1 << 20
+#: A Parquet split over this many bytes (its rows with their texts decoded) is written as
+#: shards of equal row counts, on up to one thread per core; 500 MB is the shard size Hugging
+#: Face's ``push_to_hub`` uses by default.
+SHARD_BYTES = 500_000_000
+MAX_SHARDS = 99_999
 #: Bytes of artifact content read from Lance per batch while an export resolves its texts.
 TEXT_BATCH_BYTES = 256 << 20
 
@@ -145,7 +152,8 @@ def export(
             "split": {"by": "task_id", "rule": "sha256(task_id) as a number in [0, 1) < validation -> validation",
                       "validation": validation},
             "files": {**files, "provenance": "provenance.parquet", "card": "README.md"},
-            "provenance": "provenance.parquet: (split, row, node_ids) -- the nodes behind every row",
+            "provenance": "provenance.parquet: (split, row, node_ids) -- the nodes behind every row; row counts "
+                          "through the split's files in order",
         }
         with open(os.path.join(tmp, "manifest.json"), "w") as fh:
             json.dump(manifest, fh, indent=1)
@@ -167,14 +175,43 @@ def export(
 def _write(
     tmp: str, format: str, kind: str, rows: pa.Table, side: pa.Array, validation: float,
     progress: Callable[[int, int], None] | None,
-) -> tuple[dict[str, str], dict[str, int]]:
-    """The split files and ``provenance.parquet`` in folder ``tmp``. One writer thread writes
-    while this one lays out the next chunk (both mostly outside the GIL); progress is reported
-    from this thread as each chunk lands."""
-    files: dict[str, str] = {}
+) -> tuple[dict[str, list[str]], dict[str, int]]:
+    """The split files and ``provenance.parquet`` in folder ``tmp``; returns each split's files
+    and row count. Progress is reported from this thread as each chunk lands."""
+    files: dict[str, list[str]] = {}
     counts: dict[str, int] = {}
-    total, done = rows.num_rows, 0
+    parts: list[tuple[str, pa.Table]] = []
     prov = []
+    for split in ("train", "validation"):
+        if split == "validation" and validation == 0.0:
+            continue
+        # no split asked: every row is train, no filtered copy of the table
+        part = rows if validation == 0.0 else rows.filter(pc.equal(side, split))
+        counts[split] = part.num_rows
+        parts.append((split, part))
+        prov.append(pa.table({"split": pa.array([split] * part.num_rows, pa.string()),
+                              "row": pa.array(np.arange(part.num_rows)), "node_ids": part["node_ids"]}))
+
+    def provenance() -> None:  # written while the splits' last chunks are
+        t = pa.concat_tables(prov) if prov else pa.table({"split": pa.array([], pa.string())})
+        _parquet(t, os.path.join(tmp, "provenance.parquet"))
+
+    if format == "parquet":
+        _write_parquet(tmp, parts, files, provenance, rows.num_rows, progress)
+    else:
+        _write_jsonl(tmp, format, kind, parts, files, provenance, rows.num_rows, progress)
+    if progress and not rows.num_rows:
+        progress(0, 0)
+    return files, counts
+
+
+def _write_jsonl(
+    tmp: str, format: str, kind: str, parts: list[tuple[str, pa.Table]], files: dict[str, list[str]],
+    provenance: Callable[[], None], total: int, progress: Callable[[int, int], None] | None,
+) -> None:
+    """One JSONL file per split: one writer thread writes while this one lays out the next
+    chunk (both mostly outside the GIL)."""
+    done = 0
     queue: list[tuple[Future[Any], int]] = []
     handles = []
 
@@ -190,43 +227,71 @@ def _write(
     # the files close after the pool has shut down: no write is in flight on them then
     try:
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="trellis-export") as pool:
-            for split in ("train", "validation"):
-                if split == "validation" and validation == 0.0:
-                    continue
-                # no split asked: every row is train, no filtered copy of the table
-                part = rows if validation == 0.0 else rows.filter(pc.equal(side, split))
-                fname = f"{split}.{'parquet' if format == 'parquet' else 'jsonl'}"
-                counts[split] = part.num_rows
-                files[split] = fname
-                prov.append(pa.table({"split": pa.array([split] * part.num_rows, pa.string()),
-                                      "row": pa.array(np.arange(part.num_rows)), "node_ids": part["node_ids"]}))
-                target = os.path.join(tmp, fname)
-                fh = open(target, "wb")  # noqa: SIM115 (closed below, once its writes are done)
+            for split, part in parts:
+                fname = f"{split}.jsonl"
+                files[split] = [fname]
+                fh = open(os.path.join(tmp, fname), "wb")  # noqa: SIM115 (closed below, once its writes are done)
                 handles.append(fh)
-                writer = None
-                if format == "parquet":
-                    part = _dictionaries(part)
-                    # no min/max of long texts in the footer; the file's types are the plain ones
-                    stats = [f.name for f in part.schema if f.name not in _TEXT_NAMES]
-                    writer = pq.ParquetWriter(fh, _plain_schema(part.schema, keep=True), write_statistics=stats,
-                                              store_schema=False)
                 step = _chunk_rows(part)
                 for lo in range(0, part.num_rows, step):
-                    chunk = _plain(part.slice(lo, step), keep=writer is not None)  # while the writer writes the one before
-                    write = writer.write_table if writer else _layout(format, kind, chunk).write_ndjson
-                    queue.append((pool.submit(write, chunk if writer else fh), chunk.num_rows))
+                    chunk = _plain(part.slice(lo, step))  # while the writer writes the one before
+                    queue.append((pool.submit(_layout(format, kind, chunk).write_ndjson, fh), chunk.num_rows))
                     settle(1)
-                if writer:
-                    queue.append((pool.submit(writer.close), 0))
-            provenance = pa.concat_tables(prov) if prov else pa.table({"split": pa.array([], pa.string())})
-            _parquet(provenance, os.path.join(tmp, "provenance.parquet"))  # here, while the last chunks are written
+            provenance()
             settle(0)
     finally:
         for fh in handles:
             fh.close()
-    if progress and not total:
-        progress(0, 0)
-    return files, counts
+
+
+def _write_parquet(
+    tmp: str, parts: list[tuple[str, pa.Table]], files: dict[str, list[str]], provenance: Callable[[], None],
+    total: int, progress: Callable[[int, int], None] | None,
+) -> None:
+    """Each split as one Parquet file, or over ``SHARD_BYTES`` of decoded rows as shards of
+    equal row counts (``train-00000-of-00002.parquet``: Hugging Face's naming), written on up
+    to one thread per core: a Parquet file is encoded and compressed on one thread, so shards
+    are what lets a large export use the machine (2 shards on 2 cores: 0.60 s vs 1.06 s)."""
+    jobs: list[tuple[str, pa.Table]] = []
+    for split, part in parts:
+        part = _dictionaries(part)
+        n = max(1, min(MAX_SHARDS, part.num_rows, -(-int(_row_bytes(part) * part.num_rows) // SHARD_BYTES)))
+        names = [f"{split}.parquet"] if n == 1 else [f"{split}-{i:05d}-of-{n:05d}.parquet" for i in range(n)]
+        files[split] = names
+        per = -(-part.num_rows // n)
+        jobs += [(name, part.slice(i * per, per)) for i, name in enumerate(names)]
+    landed: SimpleQueue[int | None] = SimpleQueue()  # rows written, or None: a file is finished
+
+    def write(target: str, part: pa.Table) -> None:
+        try:
+            # no min/max of long texts in the footer; the file's types are the plain ones
+            stats = [f.name for f in part.schema if f.name not in _TEXT_NAMES]
+            with open(target, "wb") as fh, pq.ParquetWriter(
+                fh, _plain_schema(part.schema, keep=True), write_statistics=stats, store_schema=False
+            ) as writer:
+                step = _chunk_rows(part)
+                for lo in range(0, part.num_rows, step):
+                    chunk = _plain(part.slice(lo, step), keep=True)
+                    writer.write_table(chunk)
+                    landed.put(chunk.num_rows)
+        finally:
+            landed.put(None)
+
+    workers = max(1, min(len(jobs), os.cpu_count() or 1))
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="trellis-export") as pool:
+        futures = [pool.submit(write, os.path.join(tmp, name), part) for name, part in jobs]
+        provenance()
+        done, open_files = 0, len(futures)
+        while open_files:
+            n = landed.get()
+            if n is None:
+                open_files -= 1
+            elif n:
+                done += n
+                if progress:
+                    progress(done, total)
+        for fut in futures:
+            fut.result()
 
 
 #: The text columns ``_with_texts`` adds (named after their hash columns).
@@ -272,18 +337,27 @@ def _dictionaries(t: pa.Table) -> pa.Table:
     return t
 
 
-def _chunk_rows(t: pa.Table) -> int:
-    """Rows per chunk: about ``CHUNK_BYTES`` of the texts a chunk decodes."""
+def _row_bytes(t: pa.Table, decoded_only: bool = False) -> float:
+    """About the bytes of a row of ``t`` with its texts decoded (a dictionary's values counted
+    at their average size); ``decoded_only``: of the text columns a chunk decodes (not those
+    ``_dictionaries`` keeps as they are)."""
     per_row = 1.0
     for f in t.schema:
-        if pa.types.is_dictionary(f.type) and not (f.metadata and _KEEP in f.metadata):
+        if pa.types.is_dictionary(f.type):
+            if decoded_only and f.metadata and _KEEP in f.metadata:
+                continue
             values = t[f.name].chunk(0).dictionary if t[f.name].num_chunks else None
             if values is not None and len(values):
                 per_row += values.nbytes / len(values)
-        elif f.name in _TEXT_NAMES and t.num_rows:
+        elif (f.name in _TEXT_NAMES or not decoded_only) and t.num_rows:
             per_row += t[f.name].nbytes / t.num_rows
+    return per_row
+
+
+def _chunk_rows(t: pa.Table) -> int:
+    """Rows per chunk: about ``CHUNK_BYTES`` of the texts a chunk decodes."""
     lo, hi = CHUNK_ROWS
-    return int(min(hi, max(lo, CHUNK_BYTES // per_row)))
+    return int(min(hi, max(lo, CHUNK_BYTES // _row_bytes(t, decoded_only=True))))
 
 
 def _parquet(t: pa.Table, target: str) -> None:
@@ -488,6 +562,7 @@ def _turns(t: pa.Table) -> pa.Array:
 
 def _card(m: dict[str, Any]) -> str:
     counts = ", ".join(f"{k}: {v}" for k, v in m["counts"].items()) or "none"
+    files = "; ".join(f"{k}: {', '.join(f'`{f}`' for f in v)}" for k, v in m["files"].items() if isinstance(v, list))
     return (
         f"# {m['view']} ({m['kind']})\n\n"
         f"Exported by trellisdb from `{m['database']}` at commit {m['commit']} on {m['created_at'][:10]}.\n\n"
@@ -495,6 +570,7 @@ def _card(m: dict[str, Any]) -> str:
         f"- format: {m['format']} -- {m['layout']}\n"
         f"- rows: {m['rows']} ({counts}); rows skipped for missing texts: {m['skipped_missing_texts']}\n"
         f"- split: by task, {m['split']['rule']} (validation = {m['split']['validation']})\n"
+        f"- files: {files}\n"
         f"- provenance: `provenance.parquet` names the nodes behind every row; `manifest.json` has the rest.\n\n"
         "Recreate it: materialize the view at the same commit (`db.materialize(name, as_of=commit)`) and export "
         "again; the rows are the same.\n"
