@@ -564,11 +564,54 @@ def test_export_texts_read_in_many_batches(tmp_path: Path, monkeypatch: pytest.M
             s.add_reward(f"n{i:03d}", "score", 1.0)
     db.create_view("s", "sft", reward="reward('score')", threshold=0.5)
     db.materialize("s")
-    monkeypatch.setattr(export, "TEXT_BATCH_BYTES", 1)  # 256 rows a batch: 1050 artifacts, 5 batches
+    monkeypatch.setattr(export, "TEXT_SCAN_ROWS", 256)  # 1050 artifacts: 5 batches from Lance,
+    monkeypatch.setattr(export, "TEXT_BATCH_BYTES", 1)  # each matched on its own
     db.export("s", tmp_path / "out", "parquet")
     got = pq.read_table(tmp_path / "out" / "train.parquet").select(["node_id", "prompt", "response"]).to_pylist()
     assert got == [{"node_id": f"n{i:03d}", "prompt": f"question {i % 350}", "response": f"answer {i}"}
                    for i in range(700)]
+
+
+def test_export_parquet_writes_a_shared_text_as_a_dictionary(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A text column of few distinct values (a system prompt most rows share, absent on some)
+    goes to Parquet as a dictionary straight from its codes; it reads back as plain strings,
+    row for row, beside the plainly written columns."""
+    from trellisdb import export
+
+    db = trellisdb.connect(tmp_path / "db")
+    systems = ["you are a solver", "you are a checker", None]
+    with db.transaction():
+        s = db.session(task="t", agent="a", id="s")
+        for i in range(300):
+            a = {"prompt": f"question {i}", "response": f"answer {i}"}
+            if systems[i % 3] is not None:
+                a["system_prompt"] = systems[i % 3]
+            s.add_node(id=f"n{i:03d}", artifacts=a)
+            s.add_reward(f"n{i:03d}", "score", 1.0)
+    db.create_view("s", "sft", reward="reward('score')", threshold=0.5)
+    db.materialize("s")
+    kept: list[str] = []
+
+    def spy(t: pa.Table) -> pa.Table:
+        out = real(t)
+        kept.extend(f.name for f in out.schema if f.metadata and export._KEEP in f.metadata)
+        return out
+
+    real = export._dictionaries
+    monkeypatch.setattr(export, "_dictionaries", spy)
+    db.export("s", tmp_path / "out", "parquet")
+    assert kept == ["system"]  # the prompts and responses are all distinct: written plainly
+    f = pq.ParquetFile(tmp_path / "out" / "train.parquet")
+    t = f.read()
+    assert t.schema.field("system").type == t.schema.field("prompt").type == pa.string()
+    assert t.select(["node_id", "system", "prompt"]).to_pylist() == [
+        {"node_id": f"n{i:03d}", "system": systems[i % 3], "prompt": f"question {i}"} for i in range(300)]
+    names = [f.metadata.schema.column(i).name for i in range(f.metadata.num_columns)]
+    encodings = {n: f.metadata.row_group(0).column(i).encodings for i, n in enumerate(names)}
+    assert "RLE_DICTIONARY" in encodings["system"] and "system" in export._TEXT_NAMES
+    # no min/max of texts in the footer; the other columns keep theirs
+    stats = {n: f.metadata.row_group(0).column(i).statistics for i, n in enumerate(names)}
+    assert stats["prompt"] is None and stats["node_id"] is not None and stats["node_id"].has_min_max
 
 
 def test_export_texts_when_hash_keys_collide(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
