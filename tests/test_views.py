@@ -423,6 +423,37 @@ def test_export_parquet_in_shards(g: trellisdb.Database, tmp_path: Path, monkeyp
             assert f"`{names[0]}`" in (out / "README.md").read_text()
 
 
+def test_export_shard_failure_leaves_the_old_export(g: trellisdb.Database, tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """A shard that fails to write (a full disk, say) fails the export: the other writers
+    finish, the temporary folder goes, and an export already at the path stays as it was."""
+    from trellisdb import export
+
+    g.create_view("p", "preference", reward="reward('score')", margin=0.0)
+    g.materialize("p")
+    out = tmp_path / "out"
+    g.export("p", out, "parquet")
+    before = sorted(p.name for p in out.iterdir())
+    calls = 0
+    real = export._plain
+
+    def failing(t: Any, keep: bool = False) -> Any:
+        nonlocal calls
+        calls += 1
+        if calls == 3:
+            raise OSError("No space left on device")
+        return real(t, keep)
+
+    monkeypatch.setattr(export, "SHARD_BYTES", 1)
+    monkeypatch.setattr(export, "_plain", failing)
+    with pytest.raises(OSError, match="No space left"):
+        g.export("p", out, "parquet", overwrite=True)
+    assert calls > 3  # the other shards were written
+    assert sorted(p.name for p in out.iterdir()) == before == ["README.md", "manifest.json", "provenance.parquet",
+                                                               "train.parquet"]
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".trellis-export-")] == []
+
+
 @pytest.mark.skipif(not openevolve.available(), reason="../shared/data is not present")
 def test_openevolve_sibling_preferences(tmp_path: Path) -> None:
     db = trellisdb.connect(tmp_path / "db")

@@ -73,6 +73,8 @@ DICTIONARY_BYTES = 1 << 20
 #: Face's ``push_to_hub`` uses by default.
 SHARD_BYTES = 500_000_000
 MAX_SHARDS = 99_999  # the five digits of the naming
+#: Shards written at once, at most (each writer holds a decoded chunk of ``CHUNK_BYTES``).
+MAX_WRITERS = 4
 #: An export resolving its texts reads the artifacts' hashes and contents from Lance in batches
 #: of ``TEXT_SCAN_ROWS`` (at 2M artifacts 128k-row batches scan in 0.2 s, 1M-row ones in
 #: 0.36-0.67 s), and matches them about ``TEXT_BATCH_BYTES`` at a time (what it holds at once).
@@ -253,7 +255,7 @@ def _write_parquet(
 ) -> None:
     """Each split as one Parquet file, or over ``SHARD_BYTES`` of decoded rows as shards of
     equal row counts (``train-00000-of-00002.parquet``: Hugging Face's naming), written on up
-    to one thread per core: a Parquet file is encoded and compressed on one thread, so shards
+    to one thread per core (``MAX_WRITERS``): a Parquet file is encoded and compressed on one thread, so shards
     are what lets a large export use the machine (2 shards on 2 cores: 0.60 s vs 1.06 s)."""
     jobs: list[tuple[str, pa.Table]] = []
     for split, part in parts:
@@ -280,7 +282,7 @@ def _write_parquet(
         finally:
             landed.put(None)
 
-    workers = max(1, min(len(jobs), os.cpu_count() or 1))
+    workers = max(1, min(len(jobs), os.cpu_count() or 1, MAX_WRITERS))
     with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="trellis-export") as pool:
         futures = [pool.submit(write, os.path.join(tmp, name), part) for name, part in jobs]
         provenance()
