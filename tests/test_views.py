@@ -184,6 +184,8 @@ def grow(db: trellisdb.Database, rng: np.random.Generator, n: int) -> None:
     # status changes deselect nodes: groups shrink, parents become leaves
     ("stepwise", {"threshold": 0.5, "where": "status IS NULL OR status <> 'expanded'"}),
     ("preference", {"where": "status IS NULL OR status <> 'expanded'"}),
+    # sibling pairs only (the benchmark's view)
+    ("preference", {"pairs_from": ["siblings"]}), ("preference", {"pairs_from": ["siblings"], "group_by": "prompt"}),
 ])
 def test_refresh_equals_rebuild(g: trellisdb.Database, kind: str, opts: dict[str, Any]) -> None:
     g.create_view("v", kind, reward="reward('score')", **opts)
