@@ -237,9 +237,10 @@ def _write_jsonl(
                 files[split] = [fname]
                 fh = open(os.path.join(tmp, fname), "wb")  # noqa: SIM115 (closed below, once its writes are done)
                 handles.append(fh)
+                part = _dictionaries(part)  # a shared text stays one value (a polars Categorical) until written
                 step = _chunk_rows(part)
                 for lo in range(0, part.num_rows, step):
-                    chunk = _plain(part.slice(lo, step))  # while the writer writes the one before
+                    chunk = _plain(part.slice(lo, step), keep=True)  # while the writer writes the one before
                     queue.append((pool.submit(_layout(format, kind, chunk).write_ndjson, fh), chunk.num_rows))
                     settle(1)
             provenance()
