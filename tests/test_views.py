@@ -605,7 +605,7 @@ def test_export_texts_read_in_many_batches(tmp_path: Path, monkeypatch: pytest.M
                    for i in range(700)]
 
 
-def test_export_parquet_writes_a_shared_text_as_a_dictionary(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_export_keeps_a_shared_text_as_a_dictionary(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A text column of few distinct values (a system prompt most rows share, absent on some)
     goes to Parquet as a dictionary straight from its codes; it reads back as plain strings,
     row for row, beside the plainly written columns."""
@@ -645,6 +645,16 @@ def test_export_parquet_writes_a_shared_text_as_a_dictionary(tmp_path: Path, mon
     # no min/max of texts in the footer; the other columns keep theirs
     stats = {n: f.metadata.row_group(0).column(i).statistics for i, n in enumerate(names)}
     assert stats["prompt"] is None and stats["node_id"] is not None and stats["node_id"].has_min_max
+    # the JSONL layouts keep it compact too, and render it on every row that has it
+    db.create_view("sp", "sft", reward="reward('score')", threshold=0.5, path=True)
+    db.materialize("sp")
+    for view in ("s", "sp"):
+        db.export(view, tmp_path / f"{view}-trl", "trl")
+        lines = read_jsonl(tmp_path / f"{view}-trl" / "train.jsonl")
+        assert [[(m["role"], m["content"]) for m in r["messages"]] for r in lines] == [
+            ([("system", systems[i % 3])] if systems[i % 3] else []) + [("user", f"question {i}"),
+                                                                      ("assistant", f"answer {i}")]
+            for i in range(300)]
 
 
 def test_export_texts_when_hash_keys_collide(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -532,8 +532,8 @@ def _layout(format: str, kind: str, t: pa.Table) -> pl.DataFrame:
     assert isinstance(df, pl.DataFrame)
     if "system" not in df.columns:
         df = df.with_columns(pl.lit(None, pl.String).alias("system"))
-    if kind == "sft_path":
-        return pl.DataFrame(pl.from_arrow(pa.table({"messages": _turns(t)})))
+    if kind == "sft_path":  # laid out in Arrow, over decoded texts
+        return pl.DataFrame(pl.from_arrow(pa.table({"messages": _turns(_plain(t))})))
     if kind in ("sft", "replay"):
         msgs = pl.concat_list([_prompt_msgs(), pl.concat_list([_msg("assistant", "response")])])
         return df.select(msgs.alias("messages"))
