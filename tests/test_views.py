@@ -18,7 +18,7 @@ import pyarrow.parquet as pq
 import pytest
 
 import trellisdb
-from trellisdb import views
+from trellisdb import texts, views
 
 from . import openevolve
 
@@ -54,6 +54,28 @@ def g(tmp_path: Path) -> trellisdb.Database:
 
 def rows(db: trellisdb.Database, name: str) -> list[dict[str, Any]]:
     return db.view(name).to_pylist()
+
+
+def _decoded(t: pa.Table, values: list[Any]) -> dict[str, list[Any]]:
+    """Per code column of ``t``, each row's texts (``values``: the texts in code order)."""
+    def one(c: int | None) -> Any:
+        v = None if c is None else values[c]
+        return v.decode() if isinstance(v, bytes) else v
+    return {c: [[one(x) for x in v] if isinstance(v, list) else one(v) for v in t[c].to_pylist()]
+            for c in texts.code_columns(t.column_names)}
+
+
+def stored_texts(db: trellisdb.Database, name: str) -> dict[str, list[Any]]:
+    """The texts a materialized view keeps for its rows, per hash column, in row order."""
+    entry = views.ViewCatalog(db.path).load().entries[name]
+    return _decoded(views.read_rows(db, entry, codes=True), texts.texts_of(db, entry).to_pylist())
+
+
+def rebuilt_texts(db: trellisdb.Database, name: str, commit: int) -> dict[str, list[Any]]:
+    """The texts a rebuild of view ``name`` at ``commit`` resolves, per hash column, in row order."""
+    spec = views.ViewCatalog(db.path).load().spec(name)
+    t, text = views.build(db, spec, commit)
+    return _decoded(t, text["text"].to_pylist())
 
 
 def test_preference_pairs_siblings_and_comparisons(g: trellisdb.Database) -> None:
@@ -198,6 +220,7 @@ def test_refresh_equals_rebuild(g: trellisdb.Database, kind: str, opts: dict[str
         spec = views.ViewCatalog(g.path).load().spec("v")
         rebuilt = views.compute(g, spec, e["commit"])
         assert g.view("v").to_arrow().equals(rebuilt), f"refresh {step} ({e['how']}) differs from a rebuild"
+        assert stored_texts(g, "v") == rebuilt_texts(g, "v", e["commit"]), f"refresh {step}: texts differ"
         if kind != "replay":
             assert e["how"].startswith("refreshed")
 
@@ -585,9 +608,9 @@ def test_export_texts_from_a_hash_stored_twice_and_binary_content(tmp_path: Path
 
 
 def test_export_texts_read_in_many_batches(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The artifacts' contents stream from Lance in batches (a few hundred rows each here):
-    every row still gets its own texts, and the rows keep the view's order."""
-    from trellisdb import export
+    """The artifacts' contents stream from Lance in batches (a few hundred rows each here) when
+    a view is materialized: every row still gets its own texts, and the rows keep the view's order."""
+    from trellisdb import texts
 
     db = trellisdb.connect(tmp_path / "db")
     with db.transaction():
@@ -596,9 +619,9 @@ def test_export_texts_read_in_many_batches(tmp_path: Path, monkeypatch: pytest.M
             s.add_node(id=f"n{i:03d}", artifacts={"prompt": f"question {i % 350}", "response": f"answer {i}"})
             s.add_reward(f"n{i:03d}", "score", 1.0)
     db.create_view("s", "sft", reward="reward('score')", threshold=0.5)
+    monkeypatch.setattr(texts, "TEXT_SCAN_ROWS", 256)  # 1050 artifacts: 5 batches from Lance,
+    monkeypatch.setattr(texts, "TEXT_BATCH_BYTES", 1)  # each matched on its own
     db.materialize("s")
-    monkeypatch.setattr(export, "TEXT_SCAN_ROWS", 256)  # 1050 artifacts: 5 batches from Lance,
-    monkeypatch.setattr(export, "TEXT_BATCH_BYTES", 1)  # each matched on its own
     db.export("s", tmp_path / "out", "parquet")
     got = pq.read_table(tmp_path / "out" / "train.parquet").select(["node_id", "prompt", "response"]).to_pylist()
     assert got == [{"node_id": f"n{i:03d}", "prompt": f"question {i % 350}", "response": f"answer {i}"}
@@ -658,12 +681,13 @@ def test_export_keeps_a_shared_text_as_a_dictionary(tmp_path: Path, monkeypatch:
 
 
 def test_export_texts_when_hash_keys_collide(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The export joins on 64-bit keys of the hash strings and checks every match on a second
-    hash. With every key made the same (a collision everywhere) it still gives each row its own
-    texts, and a binary artifact outside the view that now shares a key with wanted ones is no error."""
+    """Resolving a view's texts joins on 64-bit keys of the hash strings and checks every match
+    on a second hash. With every key made the same (a collision everywhere) it still gives each
+    row its own texts, and a binary artifact outside the view that now shares a key with wanted
+    ones is no error."""
     import polars as pl
 
-    from trellisdb import export
+    from trellisdb import texts
 
     db = trellisdb.connect(tmp_path / "db")
     with db.transaction():
@@ -673,9 +697,8 @@ def test_export_texts_when_hash_keys_collide(tmp_path: Path, monkeypatch: pytest
             s.add_reward(f"n{i}", "score", 1.0 if i != 4 else 0.0)
         s.add_node(id="bin", artifacts={"response": b"\xff\xfe binary"})
     db.create_view("s", "sft", reward="reward('score')", threshold=0.5)
-    db.materialize("s")
     calls = []
-    real = export._resolve
+    real = texts.resolve
 
     def spy(*a: Any, **k: Any) -> Any:
         calls.append(k.get("exact", False))
@@ -685,8 +708,126 @@ def test_export_texts_when_hash_keys_collide(tmp_path: Path, monkeypatch: pytest
     # every key the same; the check hash (another seed) stays real, so each match fails its check
     monkeypatch.setattr(pl.Series, "hash", lambda self, seed=0: pl.Series(self.name, [0] * len(self), pl.UInt64)
                         if seed == 0 else real_hash(self, seed))
-    monkeypatch.setattr(export, "_resolve", spy)
+    monkeypatch.setattr(texts, "resolve", spy)
+    db.materialize("s")
     db.export("s", tmp_path / "out", "parquet")
     got = pq.read_table(tmp_path / "out" / "train.parquet").select(["node_id", "prompt", "response"]).to_pylist()
     assert got == [{"node_id": f"n{i}", "prompt": f"question {i % 2}", "response": f"answer {i}"} for i in range(4)]
     assert calls == [False, True]  # the keyed lookup, then the exact one
+
+
+# ------------------------------------------------------------------ the texts kept beside a view
+def test_a_view_keeps_its_texts_and_a_refresh_looks_up_only_those_it_lacks(
+    g: trellisdb.Database, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Materializing resolves every text the rows name, once each; the rows' code columns stay
+    internal. A refresh looks up only the texts its new rows name that the view lacks: new
+    artifacts by commit, older ones (F and G, a tie until F is re-scored) by hash."""
+    import hashlib
+
+    g.create_view("v", "preference", reward="reward('score')", pairs_from=["siblings"])
+    e = g.materialize("v")
+    assert "G" not in {r["chosen_id"] for r in rows(g, "v")} | {r["rejected_id"] for r in rows(g, "v")}
+    assert not any(c.startswith(texts.CODE_PREFIX) for c in g.view("v").to_arrow().column_names)
+    first = texts.texts_of(g, views.ViewCatalog(g.path).load().entries["v"]).to_pylist()
+    assert sorted(first) == sorted({"pack circles", "sort", "you are a solver"} | {f"answer {n}" for n in "ABCDXY"})
+    assert e["texts"] == len(first)
+    calls: list[tuple[set[str], str | None]] = []
+    real = texts.resolve
+
+    def spy(db: Any, commit: int, probe: pa.Array, where: str | None = None, exact: bool = False) -> Any:
+        calls.append((set(pc.drop_null(probe).to_pylist()), where))
+        return real(db, commit, probe, where, exact)
+
+    monkeypatch.setattr(texts, "resolve", spy)
+    with g.transaction():
+        s = g.resume("s1")
+        s.add_node(id="N", parents=["R"], artifacts=arts("N"))
+        s.add_reward("N", "score", 0.95)
+        s.add_reward("F", "score", 0.9)
+    e = g.refresh("v")
+    assert e["how"].startswith("refreshed")
+    h = {n: hashlib.sha256(f"answer {n}".encode()).hexdigest() for n in "NFG"}
+    assert [w.split(" ")[0] for _, w in calls if w] == ["commit_id", "hash"]
+    assert calls[0][0] == {h["N"], h["F"], h["G"]} and calls[1][0] == {h["F"], h["G"]}
+    assert e["texts"] == len(first) + 3
+    assert stored_texts(g, "v") == rebuilt_texts(g, "v", e["commit"])
+    g.export("v", tmp_path / "refreshed", "parquet")
+    g.materialize("v")
+    g.export("v", tmp_path / "rebuilt", "parquet")
+    a, b = (pq.read_table(tmp_path / d / "train.parquet") for d in ("refreshed", "rebuilt"))
+    assert a.equals(b) and {"answer G", "answer N"} <= set(a["rejected"].to_pylist() + a["chosen"].to_pylist())
+
+
+def test_a_refresh_that_died_before_its_catalog_write_is_undone(g: trellisdb.Database, tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """A refresh that wrote the view's texts and rows but died before naming them in the catalog
+    leaves the catalog's versions in force: the next refresh undoes the orphan versions and
+    equals a rebuild (it used to report the view as changing under it)."""
+    g.create_view("v", "preference", reward="reward('score')")
+    g.materialize("v")
+    before = g.view("v").to_pylist()
+    grow(g, np.random.default_rng(11), 10)
+
+    def dies(self: views.ViewCatalog) -> None:
+        raise OSError("disk full")
+
+    with monkeypatch.context() as m:
+        m.setattr(views.ViewCatalog, "save", dies)
+        with pytest.raises(OSError, match="disk full"):
+            g.refresh("v")
+    assert g.view("v").to_pylist() == before  # what the catalog names: still the old rows
+    e = g.refresh("v")
+    assert e["how"].startswith("refreshed")
+    spec = views.ViewCatalog(g.path).load().spec("v")
+    assert g.view("v").to_arrow().equals(views.compute(g, spec, e["commit"]))
+    assert stored_texts(g, "v") == rebuilt_texts(g, "v", e["commit"])
+    g.export("v", tmp_path / "out", "trl")
+
+
+def test_a_view_stored_before_views_kept_texts(g: trellisdb.Database, tmp_path: Path) -> None:
+    """A view materialized by an older trellisdb has rows without text codes and no texts: it
+    exports (resolving its texts then), and a refresh rebuilds it with its texts."""
+    import lance
+
+    g.create_view("v", "sft", reward="reward('score')", threshold=0.5)
+    g.materialize("v")
+    g.export("v", tmp_path / "new", "parquet")
+    cat = views.ViewCatalog(g.path).load()
+    entry = cat.entries["v"]
+    uri = os.path.join(g.path, entry["file"])
+    old = lance.dataset(uri).to_table()
+    ds = lance.write_dataset(old.drop_columns(texts.code_columns(old.column_names)), uri, mode="overwrite")
+    entry["version"] = ds.version
+    del entry["texts_version"], entry["texts"]
+    cat.save()
+    g.export("v", tmp_path / "old", "parquet")
+    assert pq.read_table(tmp_path / "old" / "train.parquet").equals(pq.read_table(tmp_path / "new" / "train.parquet"))
+    grow(g, np.random.default_rng(5), 6)
+    e = g.refresh("v")
+    assert e["how"] == "rebuilt (stored before views kept their texts)"
+    assert stored_texts(g, "v") == rebuilt_texts(g, "v", e["commit"])
+
+
+def test_a_binary_text_blocks_only_the_exports_of_rows_that_name_it(tmp_path: Path) -> None:
+    """A view may name a binary artifact (materializing and refreshing it work); exporting the
+    row is the error. Once a refresh has replaced the row, the text it kept is no obstacle."""
+    import hashlib
+
+    db = trellisdb.connect(tmp_path / "db")
+    with db.transaction():
+        s = db.session(task="t", agent="a", id="s")
+        s.add_node(id="n1", artifacts={"prompt": "p", "response": "fine"})
+        s.add_node(id="n2", artifacts={"prompt": "p", "response": b"\xff\xfe not text"})
+        for n in ("n1", "n2"):
+            s.add_reward(n, "score", 1.0)
+    db.create_view("v", "sft", reward="reward('score')", threshold=0.5)
+    db.materialize("v")
+    bad = hashlib.sha256(b"\xff\xfe not text").hexdigest()
+    with pytest.raises(trellisdb.ExportError, match=bad):
+        db.export("v", tmp_path / "out", "trl")
+    with db.transaction():
+        db.resume("s").add_reward("n2", "score", 0.0)
+    assert db.refresh("v")["how"].startswith("refreshed")
+    db.export("v", tmp_path / "out", "trl")
+    assert [r["messages"][-1]["content"] for r in read_jsonl(tmp_path / "out" / "train.jsonl")] == ["fine"]

@@ -801,11 +801,11 @@ class Database:
         self.flush()
         commit = self.resolve_as_of(as_of)
         spec = views.ViewCatalog(self.path).load().spec(name)
-        rows = views.compute(self, spec, commit)
+        rows, texts = views.build(self, spec, commit)
         with self._lock.held():
             cat = views.ViewCatalog(self.path).load()
             cat.spec(name)
-            return views.store(self, cat, spec, rows, commit, "built")
+            return views.store(self, cat, spec, rows, texts, commit, "built")
 
     def refresh(self, name: str) -> dict[str, Any]:
         """Bring a materialized view to the latest commit, recomputing only what the commits
@@ -826,13 +826,12 @@ class Database:
             with self._lock.held():
                 cat = views.ViewCatalog(self.path).load()
                 now = cat.entries.get(name)
-                if now is None or now.get("version") != entry["version"] or \
-                        views.latest_version(self, name) != entry["version"]:
+                if now is None or now.get("version") != entry["version"]:
                     continue  # another process changed the view meanwhile: start again from its state
                 if r.rows is not None:
-                    return views.store(self, cat, spec, r.rows, upto, r.how)
+                    return views.store(self, cat, spec, r.rows, r.texts, upto, r.how)
                 assert r.fresh is not None
-                return views.store_delta(self, cat, spec, entry, r.drop, r.fresh, upto, r.how)
+                return views.store_delta(self, cat, spec, entry, r.drop, r.fresh, r.texts, upto, r.how)
         raise TransactionError(f"view {name!r} kept changing under this refresh; try again")
 
     def view(self, name: str) -> Result:

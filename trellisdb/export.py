@@ -41,7 +41,7 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from queue import SimpleQueue
 from typing import TYPE_CHECKING, Any
@@ -52,6 +52,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from trellisdb import texts
 from trellisdb.errors import ExportError, ValidationError
 
 if TYPE_CHECKING:
@@ -75,11 +76,6 @@ SHARD_BYTES = 500_000_000
 MAX_SHARDS = 99_999  # the five digits of the naming
 #: Shards written at once, at most (each writer holds a decoded chunk of ``CHUNK_BYTES``).
 MAX_WRITERS = 4
-#: An export resolving its texts reads the artifacts' hashes and contents from Lance in batches
-#: of ``TEXT_SCAN_ROWS`` (at 2M artifacts 128k-row batches scan in 0.2 s, 1M-row ones in
-#: 0.36-0.67 s), and matches them about ``TEXT_BATCH_BYTES`` at a time (what it holds at once).
-TEXT_SCAN_ROWS = 1 << 17
-TEXT_BATCH_BYTES = 256 << 20
 
 #: Per kind: the hash columns whose texts the layouts need (absent texts are errors, or skipped).
 _TEXTS = {
@@ -134,8 +130,8 @@ def export(
     out = os.fspath(path)
     if os.path.exists(out) and not overwrite:
         raise ExportError(f"{out} exists; pass overwrite=True (or --overwrite) to replace it")
-    rows = views.read_rows(db, entry)
-    rows, skipped = _with_texts(db, rows, shape, spec, skip_missing, int(entry["commit"]))
+    rows = views.read_rows(db, entry, codes=True)
+    rows, skipped = _with_texts(db, entry, rows, shape, spec, skip_missing)
     side = _split(rows, validation)
     parent = os.path.dirname(os.path.abspath(out)) or "."
     os.makedirs(parent, exist_ok=True)
@@ -371,13 +367,17 @@ def _parquet(t: pa.Table, target: str) -> None:
         pq.write_table(t, fh)
 
 
-def _with_texts(db: Database, rows: pa.Table, kind: str, spec: Any, skip: bool, commit: int) -> tuple[pa.Table, int]:
-    """``rows`` plus a text column per hash column (``system``, ``prompt``, ``response`` ...);
-    rows missing a text the layout needs raise, or are dropped (and counted) with ``skip``."""
+def _with_texts(db: Database, entry: dict[str, Any], rows: pa.Table, kind: str, spec: Any, skip: bool) -> tuple[pa.Table, int]:
+    """``rows`` (with their text codes) with a text column per hash column instead (``system``,
+    ``prompt``, ``response`` ...): dictionaries over the view's stored texts (``texts.py``), no
+    copy. Rows missing a text the layout needs raise, or are dropped (and counted) with ``skip``."""
+    legacy = None
+    if "texts_version" not in entry:  # materialized before views kept their texts: resolved now
+        rows, legacy = texts.encode(db, rows, int(entry["commit"]))
     need = _TEXTS[kind]
     missing = np.zeros(rows.num_rows, bool)
     for col in need:
-        c = rows[col].combine_chunks()
+        c = rows[texts.CODE_PREFIX + col].combine_chunks()
         missing |= pc.is_null(c).to_numpy(zero_copy_only=False)
         if pa.types.is_list(c.type):  # a trajectory missing one step's text
             holes = pc.is_null(c.flatten()).to_numpy(zero_copy_only=False)
@@ -396,18 +396,20 @@ def _with_texts(db: Database, rows: pa.Table, kind: str, spec: Any, skip: bool, 
         )
     if n_missing:
         rows = rows.filter(pc.invert(mask))
-    hashes = [c for c in rows.column_names if c.endswith(("_hash", "_hashes"))]
-    cols = [rows[c].combine_chunks() for c in hashes]
-    flat = [c.flatten() if pa.types.is_list(c.type) else c for c in cols]
-    probe = pa.concat_arrays(flat) if flat else pa.array([], pa.string())
-
-    at, values = _resolve(db, commit, probe)
-    lo = 0
-    for c, col, f in zip(hashes, cols, flat, strict=True):
-        name = c.removesuffix("_hash").removesuffix("_hashes") + ("s" if c.endswith("_hashes") else "")
-        # a dictionary over the fetched texts (no copy); _plain decodes it a chunk at a time
-        text: pa.Array = pa.DictionaryArray.from_arrays(at.slice(lo, len(f)), values)
-        lo += len(f)
+    codes = texts.code_columns(rows.column_names)
+    arrays = [rows[c].combine_chunks() for c in codes]
+    flat = [c.flatten() if pa.types.is_list(c.type) else c for c in arrays]
+    used = pa.concat_arrays(flat) if flat else pa.array([], pa.int32())
+    if legacy is None:
+        values = texts.texts_of(db, entry, used)
+    else:
+        values = texts.utf8(legacy["text"].combine_chunks(), legacy["hash"].combine_chunks, used)
+    rows = rows.drop_columns(codes)
+    for c, col, f in zip(codes, arrays, flat, strict=True):
+        base = c.removeprefix(texts.CODE_PREFIX)
+        name = base.removesuffix("_hash").removesuffix("_hashes") + ("s" if base.endswith("_hashes") else "")
+        # a dictionary over the texts (no copy); _plain decodes it a chunk at a time
+        text: pa.Array = pa.DictionaryArray.from_arrays(f, values)
         if pa.types.is_list(col.type):  # the steps' texts, in the lists' shape (decoded here)
             text = text.dictionary_decode()
             lengths = pc.fill_null(pc.list_value_length(col), 0).to_numpy(zero_copy_only=False)
@@ -415,93 +417,6 @@ def _with_texts(db: Database, rows: pa.Table, kind: str, spec: Any, skip: bool, 
             text = pa.ListArray.from_arrays(offsets, text, mask=col.is_null())
         rows = rows.append_column(name, text)
     return rows, int(n_missing)
-
-
-def _resolve(db: Database, commit: int, probe: pa.Array, exact: bool = False) -> tuple[pa.Array, pa.Array]:
-    """The texts of the artifacts whose hashes ``probe`` holds (nulls allowed), as of ``commit``,
-    and per value of ``probe`` the position of its text (null: no such artifact).
-
-    The artifact contents are streamed from Lance and matched about ``TEXT_BATCH_BYTES`` at a
-    time, only the wanted ones kept. The joins run on a 64-bit hash of the hash strings
-    (polars), and every match is checked on a second, independently seeded 64-bit hash of both
-    strings: two different hashes pass only if both 64-bit values collide (about 2**-128 a
-    pair). Should a match fail the check, or a batch hold non-UTF-8 content under a wanted
-    key, the lookup is redone on the strings themselves (``exact``). At 1M nodes (785k distinct
-    texts of 2M artifacts) the keyed lookup took 1.41 s where a join on the strings took 1.88 s;
-    the second hash replaced a gather of every matched string (0.28 s), and 128k-row Lance
-    batches brought it to 0.66-0.86 s (the scan ~0.2 s of it)."""
-    strings = pl.Series("hash", probe.cast(pa.string()))
-    want = strings if exact else strings.hash(seed=0)
-    wanted = want.filter(strings.is_not_null()).unique()
-    among = wanted.implode()  # is_in: membership in the whole series
-    keys: list[pl.Series] = []
-    checks: list[pl.Series] = []
-    texts: list[pa.Array] = []
-    if len(wanted):
-        state = db._log.refresh()
-        for b in _windows(db._engine.scan(state, commit, "artifacts", ("hash", "content"), batch_rows=TEXT_SCAN_ROWS)):
-            h = pl.Series("hash", b.column("hash"))
-            k = h if exact else h.hash(seed=0)
-            hit = k.is_in(among)
-            keep = hit.to_arrow()
-            keys.append(k.filter(hit))
-            if not exact:
-                checks.append(h.filter(hit).hash(seed=_CHECK_SEED))
-            content = b.column("content").filter(keep)
-            try:
-                texts.extend(content.cast(pa.string()).chunks)  # checked, not copied
-            except pa.ArrowInvalid:
-                if not exact:  # perhaps an artifact that only shares a key with a wanted one
-                    return _resolve(db, commit, probe, exact=True)
-                found = b.column("hash").filter(keep)
-                bad = sorted(h for h, c in zip(found.to_pylist(), content.to_pylist(), strict=True)
-                             if not _is_utf8(c))  # a loop, on this error path only
-                raise ExportError(
-                    f"{len(bad)} artifact(s) the export needs as text are not UTF-8, e.g. {bad[:5]}; "
-                    f"export binary artifacts with db.sql('SELECT content FROM artifacts_full ...') instead"
-                ) from None
-    found = pl.DataFrame({"k": pl.concat(keys) if keys else want.clear()})
-    if not exact:
-        found = found.with_columns(check=pl.concat(checks) if checks else pl.Series([], dtype=pl.UInt64))
-    # a hash written twice (two sessions racing to store the same content) has one text: the first
-    index = found.with_row_index("at").unique("k", keep="first", maintain_order=False)
-    probes = pl.DataFrame({"k": want})
-    if not exact:
-        probes = probes.with_columns(check_probe=strings.hash(seed=_CHECK_SEED))
-    joined = probes.join(index, on="k", how="left", maintain_order="left")
-    if not exact and (joined["check"] != joined["check_probe"]).any():  # two hashes share a key
-        return _resolve(db, commit, probe, exact=True)
-    at = joined["at"].to_arrow()
-    at = pc.if_else(pc.is_valid(probe), at.cast(pa.int32()), pa.scalar(None, pa.int32()))
-    big = sum(t.nbytes for t in texts) >= (1 << 31) - 1  # 32-bit offsets while they fit (the layouts' type)
-    values = pa.concat_arrays([t.cast(pa.large_string()) if big else t for t in texts]) if texts else pa.array([], pa.string())
-    return at, values
-
-
-def _windows(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.Table]:
-    """``batches`` gathered into tables of about ``TEXT_BATCH_BYTES`` (the last one smaller)."""
-    window: list[pa.RecordBatch] = []
-    size = 0
-    for b in batches:
-        window.append(b)
-        size += b.nbytes
-        if size >= TEXT_BATCH_BYTES:
-            yield pa.Table.from_batches(window)
-            window, size = [], 0
-    if window:
-        yield pa.Table.from_batches(window)
-
-
-#: The seed of the hash that checks each keyed match (the key's seed is 0).
-_CHECK_SEED = 0x5DEECE66D
-
-
-def _is_utf8(b: bytes | None) -> bool:
-    try:
-        (b or b"").decode()
-    except UnicodeDecodeError:
-        return False
-    return True
 
 
 def _split(rows: pa.Table, validation: float) -> pa.Array:

@@ -5,8 +5,9 @@ DuckDB over a snapshot, and *materialized*: its rows stored beside the
 database pinned to the commit they were computed at (``db.materialize``).
 ``db.refresh`` brings it to the latest commit by recomputing only the groups
 and nodes the commits since touched; the result equals a full rebuild.
-Rows hold artifact *hashes*, not texts; ``db.export`` (``views_export.py``)
-resolves them into the layouts trainers read.
+Rows hold artifact *hashes*; the texts they name are resolved when the view is
+materialized and kept beside the rows (``texts.py``), so that ``db.export``
+(``export.py``) only reads and writes them in the layouts trainers read.
 
 Every view starts from the nodes a TQL condition selects (``where``), each
 with a score (``reward``, any TQL expression, e.g. ``reward('correct')``),
@@ -69,6 +70,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from trellisdb import texts
 from trellisdb.errors import QueryError, TrellisError, ValidationError
 
 if TYPE_CHECKING:
@@ -437,9 +439,17 @@ def compute(db: Database, spec: ViewSpec, snapshot: int, dirty: Mapping[str, pa.
 
 
 def _canonical(kind: str, rows: pa.Table, sort: bool = True) -> pa.Table:
+    """``rows`` in the kind's schema (and its text code columns, if it has them), sorted by key."""
     sch = SCHEMAS[kind]
+    codes = texts.code_columns(rows.column_names)
+    sch = pa.schema([*sch, *(rows.schema.field(c) for c in codes)])
     rows = pa.table({f.name: rows.column(f.name).cast(f.type) for f in sch}, schema=sch)
     return rows.sort_by([(k, "ascending") for k in ROW_KEYS[kind]]) if sort else rows
+
+
+def build(db: Database, spec: ViewSpec, snapshot: int) -> tuple[pa.Table, pa.Table]:
+    """The view's rows as of ``snapshot`` with their text codes, and the texts (``texts.py``)."""
+    return texts.encode(db, compute(db, spec, snapshot), snapshot)
 
 
 # ------------------------------------------------------------------ replay
@@ -548,50 +558,66 @@ def _open(db: Database, entry: Mapping[str, Any]) -> Any:
                            "run db.materialize(name) to recompute them") from e
 
 
-def read_rows(db: Database, entry: Mapping[str, Any], columns: list[str] | None = None) -> pa.Table:
-    """The stored rows of a materialized view, in key order (``columns``: only those, unsorted,
-    with the internal row id)."""
+def read_rows(db: Database, entry: Mapping[str, Any], columns: list[str] | None = None, codes: bool = False) -> pa.Table:
+    """The stored rows of a materialized view, in key order (``codes``: with their text code
+    columns; ``columns``: only those, unsorted, with the internal row id)."""
     ds = _open(db, entry)
     if columns is not None:
         return ds.to_table(columns=[*columns, ROW_ID])
     t = ds.to_table()
+    t = t.drop_columns([ROW_ID, *([] if codes else texts.code_columns(t.column_names))])
     # a full materialization writes the rows in key order; after a refresh's delete + append they need a sort
     shape = ViewSpec.from_dict(entry["spec"]).shape
-    return _canonical(shape, t.drop_columns([ROW_ID]), sort=not entry.get("sorted", False))
+    return _canonical(shape, t, sort=not entry.get("sorted", False))
 
 
-def _entry(spec: ViewSpec, commit: int, rows: int, version: int, next_row: int, how: str,
-           sorted: bool = False) -> dict[str, Any]:
+def _entry(spec: ViewSpec, commit: int, rows: int, version: int, next_row: int, how: str, texts_version: int,
+           n_texts: int, sorted: bool = False) -> dict[str, Any]:
     return {"spec": spec.as_dict(), "definition": spec.definition(), "commit": commit, "rows": rows,
             "file": os.path.join(VIEWS_DIR, f"{spec.name}.lance"), "version": version, "next_row": next_row,
+            "texts_version": texts_version, "texts": n_texts,
             "computed_at": dt.datetime.now(dt.UTC).isoformat(), "how": how, "sorted": sorted}
 
 
-def store(db: Database, cat: ViewCatalog, spec: ViewSpec, rows: pa.Table, commit: int, how: str) -> dict[str, Any]:
-    """Record ``rows`` as the view's materialization at ``commit``: a new version of its Lance
-    dataset first, then the catalog naming that version (a crash between leaves the old one)."""
+def store(
+    db: Database, cat: ViewCatalog, spec: ViewSpec, rows: pa.Table, text: pa.Table, commit: int, how: str
+) -> dict[str, Any]:
+    """Record ``rows`` (with their text codes) and their texts as the view's materialization at
+    ``commit``: new versions of its two Lance datasets first, then the catalog naming those
+    versions (a crash before leaves the old ones)."""
     import lance
 
     os.makedirs(os.path.join(db.path, VIEWS_DIR), exist_ok=True)
+    tds = lance.write_dataset(text, texts.path(db, spec.name), mode="overwrite", data_storage_version=texts.TEXTS_FORMAT)
     t = rows.append_column(ROW_ID, pa.array(np.arange(rows.num_rows, dtype=np.int64)))
     ds = lance.write_dataset(t, _uri(db, spec.name), mode="overwrite", data_storage_version=VIEW_FORMAT)
-    entry = _entry(spec, commit, rows.num_rows, ds.version, rows.num_rows, how, sorted=True)
+    entry = _entry(spec, commit, rows.num_rows, ds.version, rows.num_rows, how, tds.version, text.num_rows, sorted=True)
     cat.entries[spec.name] = entry
     cat.save()
     _prune(ds)
+    _prune(tds)
     return entry
 
 
 def store_delta(
     db: Database, cat: ViewCatalog, spec: ViewSpec, old: Mapping[str, Any], drop: np.ndarray, fresh: pa.Table,
-    commit: int, how: str,
+    new_texts: pa.Table, commit: int, how: str,
 ) -> dict[str, Any]:
-    """Apply a refresh to the stored rows: delete the rows ``drop`` (row ids), append ``fresh``.
-    Costs what changed, not the view's size. The caller holds the writer lock and has checked
-    that the dataset is still at ``old['version']``."""
+    """Apply a refresh to the stored rows: append ``new_texts`` to the texts, delete the rows
+    ``drop`` (row ids), append ``fresh``. Costs what changed, not the view's size. The caller
+    holds the writer lock and has checked that the catalog still names ``old['version']``; a
+    version either dataset has past the catalog's (a refresh that died before its catalog
+    write) is undone first."""
     import lance
 
-    ds = lance.dataset(_uri(db, spec.name))
+    tds = _restored(texts.path(db, spec.name), int(old["texts_version"]))
+    if new_texts.num_rows:
+        tds = lance.write_dataset(new_texts.cast(tds.schema), texts.path(db, spec.name), mode="append")
+    if len(tds.get_fragments()) > VIEW_FRAGMENTS:  # the codes are positions: rewrite in order, never compact
+        tds = lance.write_dataset(tds.to_table(), texts.path(db, spec.name), mode="overwrite",
+                                  data_storage_version=texts.TEXTS_FORMAT)
+        _prune(tds)
+    ds = _restored(_uri(db, spec.name), int(old["version"]))
     if len(drop):
         ds.delete(f"{ROW_ID} IN ({', '.join(str(int(r)) for r in drop)})")
     start = int(old["next_row"])
@@ -605,7 +631,7 @@ def store_delta(
         ds.optimize.compact_files(target_rows_per_fragment=VIEW_FRAGMENT_ROWS, materialize_deletions=True)
         ds = lance.dataset(_uri(db, spec.name))
     entry = _entry(spec, commit, int(old["rows"]) - len(drop) + fresh.num_rows, ds.version,
-                   start + fresh.num_rows, how)
+                   start + fresh.num_rows, how, tds.version, int(old["texts"]) + new_texts.num_rows)
     cat.entries[spec.name] = entry
     cat.save()
     if merged or ds.version % PRUNE_EVERY == 0:  # not on every refresh
@@ -613,13 +639,15 @@ def store_delta(
     return entry
 
 
-def latest_version(db: Database, name: str) -> int | None:
+def _restored(uri: str, version: int) -> Any:
+    """The Lance dataset at ``uri`` with ``version`` as its latest (restored if a later one exists)."""
     import lance
 
-    try:
-        return int(lance.dataset(_uri(db, name)).version)
-    except (OSError, ValueError, RuntimeError):
-        return None
+    ds = lance.dataset(uri)
+    if ds.version != version:
+        lance.dataset(uri, version=version).restore()  # type: ignore[no-untyped-call]
+        ds = lance.dataset(uri)
+    return ds
 
 
 def _prune(ds: Any) -> None:
@@ -632,6 +660,7 @@ def _prune(ds: Any) -> None:
 
 def remove(db: Database, name: str) -> None:
     shutil.rmtree(_uri(db, name), ignore_errors=True)
+    shutil.rmtree(texts.path(db, name), ignore_errors=True)
 
 
 # ------------------------------------------------------------------ refresh
@@ -685,10 +714,12 @@ def _dirty(db: Database, spec: ViewSpec, since: int, upto: int) -> tuple[pa.Arra
 
 @dataclass
 class Refresh:
-    """What a refresh does to the stored rows: replace them all (``rows``), or delete the row
-    ids ``drop`` and append ``fresh``."""
+    """What a refresh does to the stored rows: replace them all (``rows``, their texts
+    ``texts``), or delete the row ids ``drop`` and append ``fresh`` (rows with their text codes)
+    and the texts they add (``texts``)."""
 
     how: str
+    texts: pa.Table
     rows: pa.Table | None = None
     drop: np.ndarray = field(default_factory=lambda: np.empty(0, np.int64))
     fresh: pa.Table | None = None
@@ -699,18 +730,22 @@ def refresh_rows(db: Database, spec: ViewSpec, entry: Mapping[str, Any], since: 
     touched nodes and groups are recomputed, the rest kept. Views that cannot be refreshed by
     parts are rebuilt."""
     _, _, global_condition = _base(db, spec, upto)
-    if spec.kind == "replay" or global_condition:
-        why = "a replay samples the whole view" if spec.kind == "replay" else "its condition reads other nodes"
-        return Refresh(f"rebuilt ({why})", rows=compute(db, spec, upto))
+    if spec.kind == "replay" or global_condition or "texts_version" not in entry:
+        why = ("a replay samples the whole view" if spec.kind == "replay" else
+               "its condition reads other nodes" if global_condition else "stored before views kept their texts")
+        rows, text = build(db, spec, upto)
+        return Refresh(f"rebuilt ({why})", text, rows=rows)
     cols = ["node_ids", *(["group_key"] if "group_key" in SCHEMAS[spec.shape].names else []),
             *(["node_id"] if spec.paths else [])]
     # the old rows (a Lance read) load on a thread while DuckDB finds and recomputes the touched groups
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="trellis-refresh") as pool:
         reading = pool.submit(read_rows, db, entry, cols)
+        known = pool.submit(texts.known, db, entry)
         ids, groups, members = _dirty(db, spec, since, upto)
         if len(ids) == 0:
             reading.cancel()
-            return Refresh("unchanged", fresh=SCHEMAS[spec.shape].empty_table())
+            known.cancel()
+            return Refresh("unchanged", pa.table({}), fresh=SCHEMAS[spec.shape].empty_table())
         touching = pool.submit(lambda: _touches(reading.result(), ids))
         st = db._log.refresh()
         kinds = ", ".join(f"'{k}'" for k in spec.via)
@@ -719,6 +754,7 @@ def refresh_rows(db: Database, spec: ViewSpec, entry: Mapping[str, Any], since: 
         if not spec.paths:  # recompute now; redone below if the old rows name more groups
             fresh = _recompute(db, spec, upto, ids, groups, members=members)
         old, touched = reading.result(), touching.result()
+        have = known.result()
     dirty_leaves = None
     if "group_key" in old.column_names:
         before = pc.drop_null(old["group_key"].filter(touched)).combine_chunks().cast(_S)
@@ -743,8 +779,9 @@ def refresh_rows(db: Database, spec: ViewSpec, entry: Mapping[str, Any], since: 
     if fresh is None:
         fresh = _recompute(db, spec, upto, ids, groups, dirty_leaves, members)
     drop = old[ROW_ID].filter(touched).to_numpy()
+    fresh, text = texts.extend(db, fresh, have, since, upto)
     return Refresh(f"refreshed ({len(ids)} touched nodes, {len(drop)} rows replaced by {fresh.num_rows})",
-                   drop=drop, fresh=fresh)
+                   text, drop=drop, fresh=fresh)
 
 
 def _recompute(db: Database, spec: ViewSpec, upto: int, ids: pa.Array, groups: pa.Array,
