@@ -4,14 +4,17 @@
     .venv/bin/python benchmarks/bench_views.py --nodes 1000000      # by hand (issue 5's size)
 
 1. materializing preference pairs and GRPO groups (``db.materialize``: the
-   SQL over the snapshot, then the rows written to Parquet) vs hand-written
-   DuckDB SQL computing the same rows from the tables in Parquet, its result
-   written to Parquet too (target <= 1.3x); the rows are checked equal;
+   SQL over the snapshot, the texts the rows name resolved, rows and texts
+   written to Lance) vs hand-written DuckDB SQL computing the same rows from
+   the tables in Parquet, its result written to Parquet too (target <= 1.3x):
+   with the texts joined from a Parquet copy of the artifacts (the same rows,
+   texts included), and without them (hashes only, as views stored before
+   they kept their texts); the rows are checked equal;
 2. export throughput: ``db.export(..., "parquet")`` vs pyarrow writing the
    same table (target >= 0.8x), and the TRL JSONL export vs polars writing
    the same layout (reported); 2b. end to end, materialize + export Parquet
    vs the hand SQL with the texts joined from a Parquet copy of the artifacts,
-   written by pyarrow (reported: the export's baseline has its texts for free);
+   written by pyarrow (reported);
 3. refresh after 1% new data (new sessions, plus re-scores of 0.1% of the old
    nodes) vs a full rebuild at the same commit (target <= 0.1x).
 
@@ -46,6 +49,8 @@ from trellisdb import export as export_mod  # noqa: E402
 from trellisdb import views  # noqa: E402
 
 CH = "combined_score"
+#: The texts each view's rows name (joined to the hand SQL's rows by their ``<col>_hash``).
+TEXT_COLUMNS = {"preference": ("system", "prompt", "chosen", "rejected"), "grpo": ("prompt",)}
 LINEAGE = "('derived_from', 'repair_of', 'crossover_of')"
 
 #: The same rows as the views, written by hand over Parquet copies of the current tables.
@@ -86,6 +91,13 @@ HAND = {
                list(reward ORDER BY id) AS rewards, list(adv ORDER BY id) AS advantages
         FROM gg JOIN gp USING (grp) GROUP BY gg.grp""",
 }
+
+
+def with_texts(kind: str) -> str:
+    """The hand SQL of ``kind`` with the texts its rows name joined from the artifacts."""
+    cols = TEXT_COLUMNS[kind]
+    return (f"WITH p AS ({HAND[kind]}) SELECT p.*, " + ", ".join(f"{c}.text AS {c}" for c in cols) + " FROM p "
+            + " ".join(f"LEFT JOIN artifacts {c} ON {c}.hash = p.{c}_hash" for c in cols))
 
 
 def log(msg: str) -> None:
@@ -151,8 +163,18 @@ def main(argv: list[str] | None = None) -> int:
         same = t.num_rows == mine.num_rows and t.select(list(keys)).sort_by([(k, "ascending") for k in keys]).equals(
             mine.select(list(keys)))
         assert same, f"{kind}: hand SQL gives {t.num_rows} rows, the view {mine.num_rows}"
-        rows.append({"measure": f"materialize {kind} ({entry['rows']} rows) vs hand SQL on Parquet",
-                     "mine_s": ours, "base_s": base, "ratio": ours / base, "target": "<= 1.3"})
+        def hand_texts(q: str = with_texts(kind), out: str = target) -> pa.Table:
+            t = con.sql(q).to_arrow_table()
+            pq.write_table(t, out)
+            return t
+
+        full, t = best_of(hand_texts, reps)
+        assert t.num_rows == mine.num_rows
+        rows.append({"measure": f"materialize {kind} ({entry['rows']} rows, {entry['texts']} texts) vs hand SQL "
+                     "+ texts joined (the same rows)", "mine_s": ours, "base_s": full, "ratio": ours / full,
+                     "target": "<= 1.3"})
+        rows.append({"measure": f"materialize {kind} vs hand SQL, hashes only (no texts)",
+                     "mine_s": ours, "base_s": base, "ratio": ours / base, "target": "(reported)"})
 
     log("2. export")
     out = os.path.join(args.work, "export")
@@ -170,12 +192,8 @@ def main(argv: list[str] | None = None) -> int:
                  "mine_s": ours, "base_s": base, "ratio": base / ours, "target": "(reported, throughput)"})
 
     log("2b. end to end: materialize + export parquet")
-    texts = ", ".join(f"{c}.text AS {c}" for c in ("system", "prompt", "chosen", "rejected"))
-    joins = " ".join(f"LEFT JOIN artifacts {c} ON {c}.hash = p.{c}_hash" for c in ("system", "prompt", "chosen", "rejected"))
-    e2e = f"WITH p AS ({HAND['preference']}) SELECT p.*, {texts} FROM p {joins}"
-
     def hand_e2e() -> pa.Table:
-        t = con.sql(e2e).to_arrow_table()
+        t = con.sql(with_texts("preference")).to_arrow_table()
         pq.write_table(t, os.path.join(args.work, "same_e2e.parquet"))
         return t
 

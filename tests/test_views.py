@@ -717,12 +717,15 @@ def test_export_texts_when_hash_keys_collide(tmp_path: Path, monkeypatch: pytest
 
 
 # ------------------------------------------------------------------ the texts kept beside a view
+@pytest.mark.parametrize("addresses", ["kept", "forgotten", "wrong"])
 def test_a_view_keeps_its_texts_and_a_refresh_looks_up_only_those_it_lacks(
-    g: trellisdb.Database, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    g: trellisdb.Database, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, addresses: str
 ) -> None:
     """Materializing resolves every text the rows name, once each; the rows' code columns stay
     internal. A refresh looks up only the texts its new rows name that the view lacks: new
-    artifacts by commit, older ones (F and G, a tie until F is re-scored) by hash."""
+    artifacts by commit, older ones (F and G, a tie until F is re-scored) where the
+    materialization's scan found them or, with that forgotten (or wrong: each row taken is
+    checked), by hash."""
     import hashlib
 
     g.create_view("v", "preference", reward="reward('score')", pairs_from=["siblings"])
@@ -735,11 +738,15 @@ def test_a_view_keeps_its_texts_and_a_refresh_looks_up_only_those_it_lacks(
     calls: list[tuple[set[str], str | None]] = []
     real = texts.resolve
 
-    def spy(db: Any, commit: int, probe: pa.Array, where: str | None = None, exact: bool = False) -> Any:
+    def spy(db: Any, commit: int, probe: pa.Array, where: str | None = None, **k: Any) -> Any:
         calls.append((set(pc.drop_null(probe).to_pylist()), where))
-        return real(db, commit, probe, where, exact)
+        return real(db, commit, probe, where, **k)
 
     monkeypatch.setattr(texts, "resolve", spy)
+    if addresses == "forgotten":
+        texts._ADDRESSES.clear()
+    elif addresses == "wrong":  # every address one row off
+        texts._ADDRESSES[g].addrs = np.roll(texts._ADDRESSES[g].addrs, 1)
     with g.transaction():
         s = g.resume("s1")
         s.add_node(id="N", parents=["R"], artifacts=arts("N"))
@@ -748,8 +755,13 @@ def test_a_view_keeps_its_texts_and_a_refresh_looks_up_only_those_it_lacks(
     e = g.refresh("v")
     assert e["how"].startswith("refreshed")
     h = {n: hashlib.sha256(f"answer {n}".encode()).hexdigest() for n in "NFG"}
-    assert [w.split(" ")[0] for _, w in calls if w] == ["commit_id", "hash"]
-    assert calls[0][0] == {h["N"], h["F"], h["G"]} and calls[1][0] == {h["F"], h["G"]}
+    by_address = addresses == "kept"
+    assert [w.split(" ")[0] for _, w in calls if w] == (["commit_id"] if by_address else ["commit_id", "hash"])
+    assert calls[0][0] == {h["N"], h["F"], h["G"]}
+    if addresses == "forgotten":
+        assert calls[1][0] == {h["F"], h["G"]}
+    elif addresses == "wrong":  # a row taken holding another hash asked for is still used
+        assert calls[1][0] and calls[1][0] <= {h["F"], h["G"]}
     assert e["texts"] == len(first) + 3
     assert stored_texts(g, "v") == rebuilt_texts(g, "v", e["commit"])
     g.export("v", tmp_path / "refreshed", "parquet")

@@ -220,11 +220,12 @@ class SqlEngine:
 
     def scan(
         self, state: LogState, snapshot: int, name: str, columns: Sequence[str], batch_rows: int = 1 << 20,
-        where: str | None = None,
+        where: str | None = None, with_row_address: bool = False,
     ) -> Iterator[pa.RecordBatch]:
         """Every version of table ``name``'s rows visible at ``snapshot`` (``T_full_history``),
         ``columns`` only, streamed straight from Lance in batches of at most ``batch_rows``
-        (``where``: a Lance filter on them too).
+        (``where``: a Lance filter on them too; ``with_row_address``: with each row's Lance
+        address, ``_rowaddr``).
 
         For reading a bulky column in bulk: Lance scans it 2-3x faster than DuckDB
         reads the same rows through the Arrow stream of the ``T_full`` views."""
@@ -233,7 +234,8 @@ class SqlEngine:
             pred = f"({pred}) AND ({where})"
         try:
             ds = self._tables.dataset(name)
-            yield from ds.to_batches(columns=list(columns), filter=pred, batch_size=batch_rows)
+            yield from ds.to_batches(columns=list(columns), filter=pred, batch_size=batch_rows,
+                                     with_row_address=with_row_address)
         except (OSError, ValueError, RuntimeError) as e:
             raise CorruptionError(f"table {name!r} could not be read ({e}); run `trellis verify` to name the damaged file") from e
 
