@@ -738,8 +738,8 @@ def test_a_view_keeps_its_texts_and_a_refresh_looks_up_only_those_it_lacks(
     calls: list[tuple[set[str], str | None]] = []
     real = texts.resolve
 
-    def spy(db: Any, commit: int, probe: pa.Array, where: str | None = None, **k: Any) -> Any:
-        calls.append((set(pc.drop_null(probe).to_pylist()), where))
+    def spy(db: Any, commit: int, probe: pl.Series, where: str | None = None, **k: Any) -> Any:
+        calls.append((set(probe.drop_nulls().to_list()), where))
         return real(db, commit, probe, where, **k)
 
     monkeypatch.setattr(texts, "resolve", spy)
