@@ -243,7 +243,8 @@ def test_refresh_when_a_node_leaves_its_group(g: trellisdb.Database) -> None:
 
 def test_many_refreshes_keep_the_view_compact(g: trellisdb.Database, monkeypatch: pytest.MonkeyPatch) -> None:
     """Each refresh appends a fragment; past VIEW_FRAGMENTS they are merged (deleted rows
-    dropped), and the rows still equal a rebuild, pinned to a version that can be read."""
+    dropped), and the rows and their texts still equal a rebuild, pinned to a version that
+    can be read."""
     import lance
 
     monkeypatch.setattr(views, "VIEW_FRAGMENTS", 1)
@@ -259,6 +260,9 @@ def test_many_refreshes_keep_the_view_compact(g: trellisdb.Database, monkeypatch
         assert ds.count_rows() == e["rows"]
     spec = views.ViewCatalog(g.path).load().spec("v")
     assert g.view("v").to_arrow().equals(views.compute(g, spec, e["commit"]))
+    # the text table, rewritten in order whenever it passed 1 fragment, still matches the codes
+    assert len(lance.dataset(texts.path(g, "v"), version=e["texts_version"]).get_fragments()) == 1
+    assert stored_texts(g, "v") == rebuilt_texts(g, "v", e["commit"])
     again = trellisdb.connect(g.path)
     assert again.view("v").to_arrow().num_rows == e["rows"]
     again.close()

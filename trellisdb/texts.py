@@ -240,12 +240,17 @@ def known(db: Database, entry: Mapping[str, Any]) -> pa.Array:
     return _open(db, entry).to_table(columns=["hash"])["hash"].combine_chunks()
 
 
-def texts_of(db: Database, entry: Mapping[str, Any], used: pa.Array | None = None) -> pa.Array:
-    """A view's texts in code order, as strings. Texts that are not UTF-8 raise an
-    ``ExportError`` naming their artifacts if ``used`` (codes) names them (or it is None), and
-    are null otherwise."""
-    t = _open(db, entry).to_table(columns=["text"])["text"].combine_chunks()
-    return utf8(t, lambda: known(db, entry), used)
+def read(db: Database, entry: Mapping[str, Any]) -> pa.Array:
+    """A view's texts in code order, as stored (bytes)."""
+    return _open(db, entry).to_table(columns=["text"])["text"].combine_chunks()
+
+
+def texts_of(db: Database, entry: Mapping[str, Any], used: pa.Array | None = None,
+             stored: pa.Array | None = None) -> pa.Array:
+    """A view's texts in code order (``stored``: as ``read`` gave them), as strings. Texts
+    that are not UTF-8 raise an ``ExportError`` naming their artifacts if ``used`` (codes)
+    names them (or it is None), and are null otherwise."""
+    return utf8(read(db, entry) if stored is None else stored, lambda: known(db, entry), used)
 
 
 def utf8(values: pa.Array, hashes: Any, used: pa.Array | None = None) -> pa.Array:
