@@ -721,7 +721,7 @@ def test_export_texts_when_hash_keys_collide(tmp_path: Path, monkeypatch: pytest
 
 
 # ------------------------------------------------------------------ the texts kept beside a view
-@pytest.mark.parametrize("addresses", ["kept", "forgotten", "wrong"])
+@pytest.mark.parametrize("addresses", ["kept", "forgotten", "wrong", "many"])
 def test_a_view_keeps_its_texts_and_a_refresh_looks_up_only_those_it_lacks(
     g: trellisdb.Database, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, addresses: str
 ) -> None:
@@ -729,7 +729,7 @@ def test_a_view_keeps_its_texts_and_a_refresh_looks_up_only_those_it_lacks(
     internal. A refresh looks up only the texts its new rows name that the view lacks: new
     artifacts by commit, older ones (F and G, a tie until F is re-scored) where the
     materialization's scan found them or, with that forgotten (or wrong: each row taken is
-    checked), by hash."""
+    checked), by hash: a few by a Lance filter, many in a full scan that records them anew."""
     import hashlib
 
     g.create_view("v", "preference", reward="reward('score')", pairs_from=["siblings"])
@@ -747,8 +747,10 @@ def test_a_view_keeps_its_texts_and_a_refresh_looks_up_only_those_it_lacks(
         return real(db, commit, probe, where, **k)
 
     monkeypatch.setattr(texts, "resolve", spy)
-    if addresses == "forgotten":
+    if addresses in ("forgotten", "many"):
         texts._ADDRESSES.clear()
+    if addresses == "many":  # F and G are more than this
+        monkeypatch.setattr(texts, "LISTED_HASHES", 1)
     elif addresses == "wrong":  # every address one row off
         texts._ADDRESSES[g].addrs = np.roll(texts._ADDRESSES[g].addrs, 1)
     with g.transaction():
@@ -759,11 +761,15 @@ def test_a_view_keeps_its_texts_and_a_refresh_looks_up_only_those_it_lacks(
     e = g.refresh("v")
     assert e["how"].startswith("refreshed")
     h = {n: hashlib.sha256(f"answer {n}".encode()).hexdigest() for n in "NFG"}
-    by_address = addresses == "kept"
-    assert [w.split(" ")[0] for _, w in calls if w] == (["commit_id"] if by_address else ["commit_id", "hash"])
+    expected = {"kept": ["commit_id"], "forgotten": ["commit_id", "hash"], "wrong": ["commit_id", "hash"],
+                "many": ["commit_id", None]}[addresses]
+    assert [w.split(" ")[0] if w else None for _, w in calls] == expected
     assert calls[0][0] == {h["N"], h["F"], h["G"]}
-    if addresses == "forgotten":
+    if addresses in ("forgotten", "many"):
         assert calls[1][0] == {h["F"], h["G"]}
+    if addresses == "many":  # the full scan recorded every artifact's address again
+        assert texts._ADDRESSES[g].upto == e["commit"] and len(texts._ADDRESSES[g].keys) == len(
+            g.sql("SELECT hash FROM artifacts_history").to_pylist())
     elif addresses == "wrong":  # a row taken holding another hash asked for is still used
         assert calls[1][0] and calls[1][0] <= {h["F"], h["G"]}
     assert e["texts"] == len(first) + 3

@@ -56,6 +56,9 @@ TEXT_BATCH_BYTES = 256 << 20
 _CHECK_SEED: Final = 0x5DEECE66D
 #: The Lance file format of a view's texts (as its rows': read whole, so fast over small).
 TEXTS_FORMAT: Final = "2.0"
+#: A refresh looks up at most this many older artifacts by a Lance ``hash IN (...)`` filter;
+#: more in a full scan of the artifacts.
+LISTED_HASHES: Final = 4096
 #: A full resolve keeps where each artifact is (``Addresses``) for tables up to this many rows
 #: (16 bytes a row: 128 MB at most).
 ADDRESS_ROWS: Final = 8_000_000
@@ -163,17 +166,20 @@ def extend(db: Database, fresh: pa.Table, known: pa.Array, since: int, upto: int
             found.append(_by_address(db, upto, rest))
             rest = rest.filter(pc.invert(pc.is_in(rest, value_set=found[-1]["hash"].combine_chunks())))
         if len(rest):  # not where the addresses say (none kept, or moved by a compaction): by hash
-            listed = ", ".join("'" + h.replace("'", "''") + "'" for h in rest.to_pylist())
-            at, values = resolve(db, upto, pl.Series("hash", rest), where=f"hash IN ({listed})")
+            # a few by a Lance filter; many in a full scan, which records the addresses anew
+            listed = ", ".join("'" + h.replace("'", "''") + "'" for h in rest.to_pylist()) \
+                if len(rest) <= LISTED_HASHES else None
+            at, values = resolve(db, upto, pl.Series("hash", rest), where=listed and f"hash IN ({listed})")
             got = pc.is_valid(at)
             found.append(pa.table({"hash": rest.filter(got), "text": values.take(at.filter(got))}))
-        new = pa.concat_tables([f.cast(found[0].schema) for f in found])
+        wide = pa.schema([("hash", pa.string()), ("text", pa.large_binary())])
+        new = pa.concat_tables([f.cast(wide) for f in found])
         base = len(known)
         index = pl.concat([index, pl.DataFrame({"hash": new["hash"].combine_chunks(),
                                                 "code": np.arange(base, base + new.num_rows)})])
     joined = pl.DataFrame({"hash": strings}).join(index, on="hash", how="left", maintain_order="left")
     codes = joined["code"].fill_null(-1).to_numpy().astype(np.int64)
-    text_type = pa.large_binary() if new["text"].type == pa.large_binary() else pa.binary()
+    text_type = pa.large_binary() if new["text"].nbytes >= (1 << 31) - 1 else pa.binary()
     return _attach(fresh, names, sizes, codes), new.cast(pa.schema([("hash", pa.string()), ("text", text_type)]))
 
 
