@@ -8,8 +8,8 @@ code column ``__text_<column>`` (``int32``, or a list of them for a list of hash
 position of its text in that table, null where the artifact is absent. An export reads the
 rows and the texts and hands them to the writers as dictionaries, with no join at export time
 (``texts_of``); a refresh resolves only the texts of its new rows that the table lacks
-(``extend``): the artifacts written since the view's commit in one filtered scan, older ones by
-hash.
+(``extend``): the artifacts written since the view's commit in one filtered scan, older ones
+where the last full scan in this process found them (``Addresses``), else by hash.
 
 The table only grows between materializations: the texts of rows a refresh replaced stay,
 unreferenced, until the view is next materialized in full. Texts are checked to be UTF-8 only
@@ -58,7 +58,7 @@ _CHECK_SEED: Final = 0x5DEECE66D
 TEXTS_FORMAT: Final = "2.0"
 #: A refresh looks up at most this many older artifacts by a Lance ``hash IN (...)`` filter;
 #: more in a full scan of the artifacts.
-LISTED_HASHES: Final = 4096
+LISTED_HASHES = 4096
 #: A full resolve keeps where each artifact is (``Addresses``) for tables up to this many rows
 #: (16 bytes a row: 128 MB at most).
 ADDRESS_ROWS: Final = 8_000_000
