@@ -853,3 +853,22 @@ def test_a_binary_text_blocks_only_the_exports_of_rows_that_name_it(tmp_path: Pa
     assert db.refresh("v")["how"].startswith("refreshed")
     db.export("v", tmp_path / "out", "trl")
     assert [r["messages"][-1]["content"] for r in read_jsonl(tmp_path / "out" / "train.jsonl")] == ["fine"]
+
+
+def test_a_view_whose_texts_are_gone_says_to_materialize_it(g: trellisdb.Database, tmp_path: Path) -> None:
+    """The texts beside a view's rows deleted (or unreadable): export and refresh name the file
+    and say to materialize the view, which brings them back."""
+    import shutil
+
+    g.create_view("v", "sft", reward="reward('score')", threshold=0.5)
+    g.materialize("v")
+    shutil.rmtree(texts.path(g, "v"))
+    with pytest.raises(trellisdb.TrellisError, match=r"texts of view 'v' .* run db.materialize"):
+        g.export("v", tmp_path / "out", "trl")
+    grow(g, np.random.default_rng(2), 4)
+    with pytest.raises(trellisdb.TrellisError, match=r"texts of view 'v' .* run db.materialize"):
+        g.refresh("v")
+    e = g.materialize("v")
+    assert stored_texts(g, "v") == rebuilt_texts(g, "v", e["commit"])
+    g.export("v", tmp_path / "out", "trl")
+    assert len(read_jsonl(tmp_path / "out" / "train.jsonl")) == e["rows"]
