@@ -872,3 +872,23 @@ def test_a_view_whose_texts_are_gone_says_to_materialize_it(g: trellisdb.Databas
     assert stored_texts(g, "v") == rebuilt_texts(g, "v", e["commit"])
     g.export("v", tmp_path / "out", "trl")
     assert len(read_jsonl(tmp_path / "out" / "train.jsonl")) == e["rows"]
+
+
+def test_a_view_can_leave_its_texts_to_the_export(g: trellisdb.Database, tmp_path: Path) -> None:
+    """keep_texts=False stores the rows alone (no copy of the texts): exports resolve the
+    texts from the artifacts each time and equal a kept view's, and refreshes stay incremental."""
+    for name, keep in (("kept", True), ("lean", False)):
+        g.create_view(name, "preference", reward="reward('score')", keep_texts=keep)
+        g.materialize(name)
+    assert os.path.exists(texts.path(g, "kept")) and not os.path.exists(texts.path(g, "lean"))
+    assert "keep_texts=False" in views.ViewCatalog(g.path).load().entries["lean"]["definition"]
+    grow(g, np.random.default_rng(9), 10)
+    for name in ("kept", "lean"):
+        e = g.refresh(name)
+        assert e["how"].startswith("refreshed") and (e["texts_version"] is None) == (name == "lean")
+        g.export(name, tmp_path / name, "parquet")
+    assert not os.path.exists(texts.path(g, "lean"))
+    a, b = (pq.read_table(tmp_path / n / "train.parquet") for n in ("kept", "lean"))
+    assert a.equals(b) and a.num_rows > 0
+    with pytest.raises(trellisdb.ValidationError, match="keep_texts must be True or False"):
+        g.create_view("bad", "sft", keep_texts="no")

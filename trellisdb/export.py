@@ -132,7 +132,7 @@ def export(
         raise ExportError(f"{out} exists; pass overwrite=True (or --overwrite) to replace it")
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="trellis-export") as pool:
         # the view's texts load beside its rows
-        stored = pool.submit(texts.read, db, entry) if "texts_version" in entry else None
+        stored = pool.submit(texts.read, db, entry) if entry.get("texts_version") is not None else None
         rows = views.read_rows(db, entry, codes=True)
         values = None if stored is None else stored.result()
     rows, skipped = _with_texts(db, entry, rows, shape, spec, skip_missing, values)
@@ -380,7 +380,7 @@ def _with_texts(
     ``prompt``, ``response`` ...): dictionaries over the view's ``stored`` texts (``texts.py``),
     no copy. Rows missing a text the layout needs raise, or are dropped (and counted) with ``skip``."""
     legacy = None
-    if stored is None:  # materialized before views kept their texts: resolved now
+    if stored is None:  # a view that does not keep its texts (or stored before views did): resolved now
         rows, legacy = texts.encode(db, rows, int(entry["commit"]))
     need = _TEXTS[kind]
     missing = np.zeros(rows.num_rows, bool)

@@ -136,6 +136,9 @@ class ViewSpec:
     system: str = "system_prompt"
     via: tuple[str, ...] = LINEAGE
     path: bool = False  # sft: the root-to-node path as a multi-turn conversation
+    #: keep the texts the rows name beside them (``texts.py``): exports read them instead of
+    #: resolving them from the artifacts each time, for a copy of the texts on disk
+    keep_texts: bool = True
 
     @property
     def shape(self) -> str:
@@ -160,7 +163,7 @@ class ViewSpec:
             v = getattr(self, f)
             if not isinstance(v, tuple) or not all(isinstance(x, str) for x in v):
                 raise ValidationError(f"view option {f} must be a list of names, not {v!r}")
-        for f in ("drop_zero_variance", "path"):
+        for f in ("drop_zero_variance", "path", "keep_texts"):
             if not isinstance(getattr(self, f), bool):
                 raise ValidationError(f"{f} must be True or False, not {getattr(self, f)!r}")
         if self.path and self.kind != "sft":
@@ -447,9 +450,11 @@ def _canonical(kind: str, rows: pa.Table, sort: bool = True) -> pa.Table:
     return rows.sort_by([(k, "ascending") for k in ROW_KEYS[kind]]) if sort else rows
 
 
-def build(db: Database, spec: ViewSpec, snapshot: int) -> tuple[pa.Table, pa.Table]:
-    """The view's rows as of ``snapshot`` with their text codes, and the texts (``texts.py``)."""
-    return texts.encode(db, compute(db, spec, snapshot), snapshot)
+def build(db: Database, spec: ViewSpec, snapshot: int) -> tuple[pa.Table, pa.Table | None]:
+    """The view's rows as of ``snapshot`` with their text codes, and the texts (``texts.py``;
+    without ``keep_texts``: the rows alone, and None)."""
+    rows = compute(db, spec, snapshot)
+    return texts.encode(db, rows, snapshot) if spec.keep_texts else (rows, None)
 
 
 # ------------------------------------------------------------------ replay
@@ -571,8 +576,8 @@ def read_rows(db: Database, entry: Mapping[str, Any], columns: list[str] | None 
     return _canonical(shape, t, sort=not entry.get("sorted", False))
 
 
-def _entry(spec: ViewSpec, commit: int, rows: int, version: int, next_row: int, how: str, texts_version: int,
-           n_texts: int, sorted: bool = False) -> dict[str, Any]:
+def _entry(spec: ViewSpec, commit: int, rows: int, version: int, next_row: int, how: str,
+           texts_version: int | None, n_texts: int, sorted: bool = False) -> dict[str, Any]:
     return {"spec": spec.as_dict(), "definition": spec.definition(), "commit": commit, "rows": rows,
             "file": os.path.join(VIEWS_DIR, f"{spec.name}.lance"), "version": version, "next_row": next_row,
             "texts_version": texts_version, "texts": n_texts,
@@ -580,28 +585,35 @@ def _entry(spec: ViewSpec, commit: int, rows: int, version: int, next_row: int, 
 
 
 def store(
-    db: Database, cat: ViewCatalog, spec: ViewSpec, rows: pa.Table, text: pa.Table, commit: int, how: str
+    db: Database, cat: ViewCatalog, spec: ViewSpec, rows: pa.Table, text: pa.Table | None, commit: int, how: str
 ) -> dict[str, Any]:
-    """Record ``rows`` (with their text codes) and their texts as the view's materialization at
-    ``commit``: new versions of its two Lance datasets first, then the catalog naming those
-    versions (a crash before leaves the old ones)."""
+    """Record ``rows`` (with their text codes) and their texts (None: not kept) as the view's
+    materialization at ``commit``: new versions of its Lance datasets first, then the catalog
+    naming those versions (a crash before leaves the old ones)."""
     import lance
 
     os.makedirs(os.path.join(db.path, VIEWS_DIR), exist_ok=True)
-    tds = lance.write_dataset(text, texts.path(db, spec.name), mode="overwrite", data_storage_version=texts.TEXTS_FORMAT)
+    tds = None
+    if text is not None:
+        tds = lance.write_dataset(text, texts.path(db, spec.name), mode="overwrite",
+                                  data_storage_version=texts.TEXTS_FORMAT)
     t = rows.append_column(ROW_ID, pa.array(np.arange(rows.num_rows, dtype=np.int64)))
     ds = lance.write_dataset(t, _uri(db, spec.name), mode="overwrite", data_storage_version=VIEW_FORMAT)
-    entry = _entry(spec, commit, rows.num_rows, ds.version, rows.num_rows, how, tds.version, text.num_rows, sorted=True)
+    entry = _entry(spec, commit, rows.num_rows, ds.version, rows.num_rows, how, None if tds is None else tds.version,
+                   0 if text is None else text.num_rows, sorted=True)
     cat.entries[spec.name] = entry
     cat.save()
     _prune(ds)
-    _prune(tds)
+    if tds is None:  # texts kept before, not now
+        shutil.rmtree(texts.path(db, spec.name), ignore_errors=True)
+    else:
+        _prune(tds)
     return entry
 
 
 def store_delta(
     db: Database, cat: ViewCatalog, spec: ViewSpec, old: Mapping[str, Any], drop: np.ndarray, fresh: pa.Table,
-    new_texts: pa.Table, commit: int, how: str,
+    new_texts: pa.Table | None, commit: int, how: str,
 ) -> dict[str, Any]:
     """Apply a refresh to the stored rows: append ``new_texts`` to the texts, delete the rows
     ``drop`` (row ids), append ``fresh``. Costs what changed, not the view's size. The caller
@@ -610,13 +622,16 @@ def store_delta(
     write) is undone first."""
     import lance
 
-    tds = _restored(texts.path(db, spec.name), int(old["texts_version"]))
-    if new_texts.num_rows:
-        tds = lance.write_dataset(new_texts.cast(tds.schema), texts.path(db, spec.name), mode="append")
-    if len(tds.get_fragments()) > VIEW_FRAGMENTS:  # the codes are positions: rewrite in order, never compact
-        tds = lance.write_dataset(tds.to_table(), texts.path(db, spec.name), mode="overwrite",
-                                  data_storage_version=texts.TEXTS_FORMAT)
-        _prune(tds)
+    tds = None
+    if old["texts_version"] is not None:
+        assert new_texts is not None
+        tds = _restored(texts.path(db, spec.name), int(old["texts_version"]))
+        if new_texts.num_rows:
+            tds = lance.write_dataset(new_texts.cast(tds.schema), texts.path(db, spec.name), mode="append")
+        if len(tds.get_fragments()) > VIEW_FRAGMENTS:  # the codes are positions: rewrite in order, never compact
+            tds = lance.write_dataset(tds.to_table(), texts.path(db, spec.name), mode="overwrite",
+                                      data_storage_version=texts.TEXTS_FORMAT)
+            _prune(tds)
     ds = _restored(_uri(db, spec.name), int(old["version"]))
     if len(drop):
         ds.delete(f"{ROW_ID} IN ({', '.join(str(int(r)) for r in drop)})")
@@ -631,7 +646,8 @@ def store_delta(
         ds.optimize.compact_files(target_rows_per_fragment=VIEW_FRAGMENT_ROWS, materialize_deletions=True)
         ds = lance.dataset(_uri(db, spec.name))
     entry = _entry(spec, commit, int(old["rows"]) - len(drop) + fresh.num_rows, ds.version,
-                   start + fresh.num_rows, how, tds.version, int(old["texts"]) + new_texts.num_rows)
+                   start + fresh.num_rows, how, None if tds is None else tds.version,
+                   int(old["texts"]) + (new_texts.num_rows if tds is not None and new_texts is not None else 0))
     cat.entries[spec.name] = entry
     cat.save()
     if merged or ds.version % PRUNE_EVERY == 0:  # not on every refresh
@@ -719,7 +735,7 @@ class Refresh:
     and the texts they add (``texts``)."""
 
     how: str
-    texts: pa.Table
+    texts: pa.Table | None
     rows: pa.Table | None = None
     drop: np.ndarray = field(default_factory=lambda: np.empty(0, np.int64))
     fresh: pa.Table | None = None
@@ -740,12 +756,14 @@ def refresh_rows(db: Database, spec: ViewSpec, entry: Mapping[str, Any], since: 
     # the old rows (a Lance read) load on a thread while DuckDB finds and recomputes the touched groups
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="trellis-refresh") as pool:
         reading = pool.submit(read_rows, db, entry, cols)
-        known = pool.submit(texts.known, db, entry)
+        kept = entry["texts_version"] is not None
+        known = pool.submit(texts.known, db, entry) if kept else None
         ids, groups, members = _dirty(db, spec, since, upto)
         if len(ids) == 0:
             reading.cancel()
-            known.cancel()
-            return Refresh("unchanged", pa.table({}), fresh=SCHEMAS[spec.shape].empty_table())
+            if known is not None:
+                known.cancel()
+            return Refresh("unchanged", pa.table({}) if kept else None, fresh=SCHEMAS[spec.shape].empty_table())
         touching = pool.submit(lambda: _touches(reading.result(), ids))
         st = db._log.refresh()
         kinds = ", ".join(f"'{k}'" for k in spec.via)
@@ -754,7 +772,7 @@ def refresh_rows(db: Database, spec: ViewSpec, entry: Mapping[str, Any], since: 
         if not spec.paths:  # recompute now; redone below if the old rows name more groups
             fresh = _recompute(db, spec, upto, ids, groups, members=members)
         old, touched = reading.result(), touching.result()
-        have = known.result()
+        have = None if known is None else known.result()
     dirty_leaves = None
     if "group_key" in old.column_names:
         before = pc.drop_null(old["group_key"].filter(touched)).combine_chunks().cast(_S)
@@ -779,7 +797,9 @@ def refresh_rows(db: Database, spec: ViewSpec, entry: Mapping[str, Any], since: 
     if fresh is None:
         fresh = _recompute(db, spec, upto, ids, groups, dirty_leaves, members)
     drop = old[ROW_ID].filter(touched).to_numpy()
-    fresh, text = texts.extend(db, fresh, have, since, upto)
+    text = None
+    if have is not None:
+        fresh, text = texts.extend(db, fresh, have, since, upto)
     return Refresh(f"refreshed ({len(ids)} touched nodes, {len(drop)} rows replaced by {fresh.num_rows})",
                    text, drop=drop, fresh=fresh)
 
