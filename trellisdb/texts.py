@@ -143,22 +143,56 @@ def encode(db: Database, rows: pa.Table, commit: int) -> tuple[pa.Table, pa.Tabl
     return _attach(rows, names, sizes, codes), table
 
 
-def extend(db: Database, fresh: pa.Table, known: pa.Array, since: int, upto: int) -> tuple[pa.Table, pa.Table]:
-    """``fresh`` rows (a refresh's) with their code columns against a view's text table whose
-    hashes are ``known``, and the texts to append to it (``hash``, ``text``, codes from
-    ``len(known)`` on). Only the hashes the table lacks are looked up: those written after
-    ``since`` in one filtered scan, older ones by hash."""
+@dataclass
+class Known:
+    """A view's text table's hashes in code order, and their 64-bit keys (``resolve``'s)."""
+
+    hashes: pl.Series
+    keys: pl.Series
+
+
+def known(db: Database, entry: Mapping[str, Any]) -> Known:
+    """The hashes in a view's text table, in code order, with their keys."""
+    h = pl.Series("hash", _open(db, entry).to_table(columns=["hash"])["hash"].combine_chunks())
+    return Known(h, h.hash(seed=0))
+
+
+def written_since(db: Database, since: int, upto: int, limit: int = 64 << 20) -> list[pa.Table] | None:
+    """The artifacts written in commits ``(since, upto]`` (``hash``, ``content``, ``_rowaddr``),
+    read ahead of a refresh's lookups; None if they hold more than ``limit`` bytes (the lookup
+    then scans for just the wanted ones)."""
+    state = db._log.refresh()
+    out: list[pa.Table] = []
+    size = 0
+    for w in _windows(db._engine.scan(state, upto, "artifacts", ("hash", "content"), batch_rows=TEXT_SCAN_ROWS,
+                                      where=f"commit_id > {int(since)}", with_row_address=True)):
+        out.append(w)
+        size += w.nbytes
+        if size > limit:
+            return None
+    return out
+
+
+def extend(
+    db: Database, fresh: pa.Table, have: Known, since: int, upto: int, ahead: list[pa.Table] | None = None
+) -> tuple[pa.Table, pa.Table]:
+    """``fresh`` rows (a refresh's) with their code columns against a view's text table
+    (``have``), and the texts to append to it (``hash``, ``text``, codes from its length on).
+    Only the hashes the table lacks are looked up: those written after ``since`` in one
+    filtered scan (or among ``ahead``, ``written_since``'s), older ones by address or hash."""
     names, sizes, strings = _probe(fresh)
     wanted = strings.drop_nulls().unique()
-    have = pl.Series("hash", known.cast(pa.string()))
-    hit = have.is_in(wanted.implode())  # a pass over the table's hashes; the join below is small
-    index = pl.DataFrame({"hash": have.filter(hit), "code": np.flatnonzero(hit.to_numpy())})
+    # keys first (the table's were hashed beside the refresh's SQL), then the strings of the few that match
+    maybe = np.flatnonzero(have.keys.is_in(wanted.hash(seed=0).implode()).to_numpy())
+    cand = have.hashes.gather(maybe)
+    same = cand.is_in(wanted.implode()).to_numpy()
+    index = pl.DataFrame({"hash": cand.filter(same), "code": maybe[same]})
     lacking = wanted.filter(~wanted.is_in(index["hash"].implode()))
     new = pa.table({"hash": pa.array([], pa.string()), "text": pa.array([], pa.binary())})
     if len(lacking):
         ask = lacking.to_arrow().cast(pa.string())
         # the artifacts written since: one scan of the rows of those commits (extending the addresses)
-        at, values = resolve(db, upto, lacking, where=f"commit_id > {int(since)}", since=since)
+        at, values = resolve(db, upto, lacking, where=f"commit_id > {int(since)}", since=since, scanned=ahead)
         got = pc.is_valid(at)
         found = [pa.table({"hash": ask.filter(got), "text": values.take(at.filter(got))})]
         rest = ask.filter(pc.invert(got))
@@ -174,7 +208,7 @@ def extend(db: Database, fresh: pa.Table, known: pa.Array, since: int, upto: int
             found.append(pa.table({"hash": rest.filter(got), "text": values.take(at.filter(got))}))
         wide = pa.schema([("hash", pa.string()), ("text", pa.large_binary())])
         new = pa.concat_tables([f.cast(wide) for f in found])
-        base = len(known)
+        base = len(have.hashes)
         index = pl.concat([index, pl.DataFrame({"hash": new["hash"].combine_chunks(),
                                                 "code": np.arange(base, base + new.num_rows)})])
     joined = pl.DataFrame({"hash": strings}).join(index, on="hash", how="left", maintain_order="left")
@@ -241,11 +275,6 @@ def _open(db: Database, entry: Mapping[str, Any]) -> Any:
                            "run db.materialize(name) to recompute them") from e
 
 
-def known(db: Database, entry: Mapping[str, Any]) -> pa.Array:
-    """The hashes in a view's text table, in code order."""
-    return _open(db, entry).to_table(columns=["hash"])["hash"].combine_chunks()
-
-
 def read(db: Database, entry: Mapping[str, Any]) -> pa.Array:
     """A view's texts in code order, as stored (bytes)."""
     return _open(db, entry).to_table(columns=["text"])["text"].combine_chunks()
@@ -256,7 +285,7 @@ def texts_of(db: Database, entry: Mapping[str, Any], used: pa.Array | None = Non
     """A view's texts in code order (``stored``: as ``read`` gave them), as strings. Texts
     that are not UTF-8 raise an ``ExportError`` naming their artifacts if ``used`` (codes)
     names them (or it is None), and are null otherwise."""
-    return utf8(read(db, entry) if stored is None else stored, lambda: known(db, entry), used)
+    return utf8(read(db, entry) if stored is None else stored, lambda: known(db, entry).hashes.to_arrow(), used)
 
 
 def utf8(values: pa.Array, hashes: Any, used: pa.Array | None = None) -> pa.Array:
@@ -293,12 +322,13 @@ def _is_utf8(b: bytes | None) -> bool:
 # ------------------------------------------------------------------ resolving
 def resolve(
     db: Database, commit: int, strings: pl.Series, where: str | None = None, exact: bool = False,
-    since: int | None = None,
+    since: int | None = None, scanned: list[pa.Table] | None = None,
 ) -> tuple[pa.Array, pa.Array]:
     """The contents (bytes) of the artifacts whose hashes ``strings`` holds (nulls allowed), as
     of ``commit``, and per value of ``strings`` the position of its content (null: no such
     artifact). ``where``: a Lance filter narrowing the artifacts scanned; without one (or with
     ``commit_id > since``, ``since`` given) the scan's rows are remembered (``Addresses``).
+    ``scanned``: that scan's windows, read already (with ``_rowaddr``).
 
     The artifacts are streamed from Lance and matched about ``TEXT_BATCH_BYTES`` at a time,
     only the wanted ones kept. The joins run on a 64-bit hash of the hash strings (polars), and
@@ -317,9 +347,10 @@ def resolve(
     addrs: list[np.ndarray] = []
     if len(wanted):
         state = db._log.refresh()
-        scan = db._engine.scan(state, commit, "artifacts", ("hash", "content"), batch_rows=TEXT_SCAN_ROWS, where=where,
-                               with_row_address=remember)
-        for b in _windows(scan):
+        windows: Iterable[pa.Table] = scanned if scanned is not None else _windows(db._engine.scan(
+            state, commit, "artifacts", ("hash", "content"), batch_rows=TEXT_SCAN_ROWS, where=where,
+            with_row_address=remember))
+        for b in windows:
             h = pl.Series("hash", b.column("hash"))
             k = h if exact else h.hash(seed=0)
             if remember:
@@ -340,7 +371,7 @@ def resolve(
         probes = probes.with_columns(check_probe=strings.hash(seed=_CHECK_SEED))
     joined = probes.join(index, on="k", how="left", maintain_order="left")
     if not exact and (joined["check"] != joined["check_probe"]).any():  # two hashes share a key
-        return resolve(db, commit, strings, where, exact=True, since=since)
+        return resolve(db, commit, strings, where, exact=True, since=since, scanned=scanned)
     if remember:
         _remember(db, commit, since, seen, addrs)
     at = joined["at"].to_arrow()

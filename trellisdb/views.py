@@ -758,11 +758,14 @@ def refresh_rows(db: Database, spec: ViewSpec, entry: Mapping[str, Any], since: 
         reading = pool.submit(read_rows, db, entry, cols)
         kept = entry["texts_version"] is not None
         known = pool.submit(texts.known, db, entry) if kept else None
+        # the artifacts written since, read ahead (their texts are the new rows' likeliest to lack)
+        ahead = pool.submit(texts.written_since, db, since, upto) if kept else None
         ids, groups, members = _dirty(db, spec, since, upto)
         if len(ids) == 0:
             reading.cancel()
-            if known is not None:
-                known.cancel()
+            for f in (known, ahead):
+                if f is not None:
+                    f.cancel()
             return Refresh("unchanged", pa.table({}) if kept else None, fresh=SCHEMAS[spec.shape].empty_table())
         touching = pool.submit(lambda: _touches(reading.result(), ids))
         st = db._log.refresh()
@@ -773,6 +776,7 @@ def refresh_rows(db: Database, spec: ViewSpec, entry: Mapping[str, Any], since: 
             fresh = _recompute(db, spec, upto, ids, groups, members=members)
         old, touched = reading.result(), touching.result()
         have = None if known is None else known.result()
+        new = None if ahead is None else ahead.result()
     dirty_leaves = None
     if "group_key" in old.column_names:
         before = pc.drop_null(old["group_key"].filter(touched)).combine_chunks().cast(_S)
@@ -799,7 +803,7 @@ def refresh_rows(db: Database, spec: ViewSpec, entry: Mapping[str, Any], since: 
     drop = old[ROW_ID].filter(touched).to_numpy()
     text = None
     if have is not None:
-        fresh, text = texts.extend(db, fresh, have, since, upto)
+        fresh, text = texts.extend(db, fresh, have, since, upto, new)
     return Refresh(f"refreshed ({len(ids)} touched nodes, {len(drop)} rows replaced by {fresh.num_rows})",
                    text, drop=drop, fresh=fresh)
 
