@@ -419,10 +419,7 @@ def _with_texts(
         # a dictionary over the texts (no copy); _plain decodes it a chunk at a time
         text: pa.Array = pa.DictionaryArray.from_arrays(f, values)
         if pa.types.is_list(col.type):  # the steps' texts, in the lists' shape (decoded here)
-            text = text.dictionary_decode()
-            lengths = pc.fill_null(pc.list_value_length(col), 0).to_numpy(zero_copy_only=False)
-            offsets = pa.array(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32))
-            text = pa.ListArray.from_arrays(offsets, text, mask=col.is_null())
+            text = texts.in_lists(col, text.dictionary_decode())
         rows = rows.append_column(name, text)
     return rows, int(n_missing)
 

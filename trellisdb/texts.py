@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import os
 import weakref
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final
 
@@ -117,12 +117,16 @@ def _attach(rows: pa.Table, names: list[str], sizes: list[int], codes: np.ndarra
         arr: pa.Array = pa.array(c.astype(np.int32), pa.int32(), mask=c < 0)
         col = rows[name]
         if pa.types.is_list(col.type):
-            col = col.combine_chunks()
-            lengths = pc.fill_null(pc.list_value_length(col), 0).to_numpy(zero_copy_only=False)
-            offsets = pa.array(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32))
-            arr = pa.ListArray.from_arrays(offsets, arr, mask=col.is_null())
+            arr = in_lists(col.combine_chunks(), arr)
         rows = rows.append_column(CODE_PREFIX + name, arr)
     return rows
+
+
+def in_lists(col: pa.ListArray, values: pa.Array) -> pa.ListArray:
+    """``values`` (one per value of ``col``'s lists, in order) in ``col``'s lists' shape."""
+    lengths = pc.fill_null(pc.list_value_length(col), 0).to_numpy(zero_copy_only=False)
+    offsets = pa.array(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32))
+    return pa.ListArray.from_arrays(offsets, values, mask=col.is_null())
 
 
 def encode(db: Database, rows: pa.Table, commit: int) -> tuple[pa.Table, pa.Table]:
@@ -288,7 +292,7 @@ def texts_of(db: Database, entry: Mapping[str, Any], used: pa.Array | None = Non
     return utf8(read(db, entry) if stored is None else stored, lambda: known(db, entry).hashes.to_arrow(), used)
 
 
-def utf8(values: pa.Array, hashes: Any, used: pa.Array | None = None) -> pa.Array:
+def utf8(values: pa.Array, hashes: Callable[[], pa.Array], used: pa.Array | None = None) -> pa.Array:
     """``values`` (bytes) as strings; see ``texts_of`` (``hashes()``: theirs, for the error)."""
     string = pa.large_string() if pa.types.is_large_binary(values.type) else pa.string()
     try:

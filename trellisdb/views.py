@@ -623,9 +623,11 @@ def store_delta(
     import lance
 
     tds = None
+    n_texts = int(old["texts"])
     if old["texts_version"] is not None:
         assert new_texts is not None
         tds = _restored(texts.path(db, spec.name), int(old["texts_version"]))
+        n_texts += new_texts.num_rows
         if new_texts.num_rows:
             tds = lance.write_dataset(new_texts.cast(tds.schema), texts.path(db, spec.name), mode="append")
         if len(tds.get_fragments()) > VIEW_FRAGMENTS:  # the codes are positions: rewrite in order, never compact
@@ -647,7 +649,7 @@ def store_delta(
         ds = lance.dataset(_uri(db, spec.name))
     entry = _entry(spec, commit, int(old["rows"]) - len(drop) + fresh.num_rows, ds.version,
                    start + fresh.num_rows, how, None if tds is None else tds.version,
-                   int(old["texts"]) + (new_texts.num_rows if tds is not None and new_texts is not None else 0))
+                   n_texts)
     cat.entries[spec.name] = entry
     cat.save()
     if merged or ds.version % PRUNE_EVERY == 0:  # not on every refresh
