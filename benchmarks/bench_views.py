@@ -105,12 +105,26 @@ def log(msg: str) -> None:
 
 
 def best_of(fn: Callable[[], Any], reps: int) -> tuple[float, Any]:
+    """The median time of ``reps`` runs of ``fn``, and its last result."""
     ts, out = [], None
     for _ in range(reps):
         t0 = time.perf_counter()
         out = fn()
         ts.append(time.perf_counter() - t0)
     return statistics.median(ts), out
+
+
+def alternating(reps: int, *fns: Callable[[], Any]) -> list[tuple[float, Any]]:
+    """``best_of`` for each of ``fns``, their runs taking turns: a slow spell of this shared
+    machine then slows every side of a ratio, not one."""
+    ts: list[list[float]] = [[] for _ in fns]
+    outs: list[Any] = [None] * len(fns)
+    for _ in range(reps):
+        for i, fn in enumerate(fns):
+            t0 = time.perf_counter()
+            outs[i] = fn()
+            ts[i].append(time.perf_counter() - t0)
+    return [(statistics.median(t), o) for t, o in zip(ts, outs, strict=True)]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -149,27 +163,21 @@ def main(argv: list[str] | None = None) -> int:
     db.create_view("groups", "grpo", reward=f"reward('{CH}')")
     for name, kind in (("pairs", "preference"), ("groups", "grpo")):
         log(f"1. materialize {kind}")
-        ours, entry = best_of(lambda n=name: db.materialize(n), reps)
         target = os.path.join(args.work, f"hand_{kind}.parquet")
 
-        def hand(k: str = kind, out: str = target) -> pa.Table:
-            t = con.sql(HAND[k]).to_arrow_table()
+        def hand(q: str, out: str = target) -> pa.Table:
+            t = con.sql(q).to_arrow_table()
             pq.write_table(t, out)
             return t
 
-        base, t = best_of(hand, reps)
+        (ours, entry), (base, t), (full, tt) = alternating(
+            reps, lambda n=name: db.materialize(n), lambda k=kind: hand(HAND[k]), lambda k=kind: hand(with_texts(k)))
         mine = db.view(name).to_arrow()
         keys = views.ROW_KEYS[kind]
         same = t.num_rows == mine.num_rows and t.select(list(keys)).sort_by([(k, "ascending") for k in keys]).equals(
             mine.select(list(keys)))
         assert same, f"{kind}: hand SQL gives {t.num_rows} rows, the view {mine.num_rows}"
-        def hand_texts(q: str = with_texts(kind), out: str = target) -> pa.Table:
-            t = con.sql(q).to_arrow_table()
-            pq.write_table(t, out)
-            return t
-
-        full, t = best_of(hand_texts, reps)
-        assert t.num_rows == mine.num_rows
+        assert tt.num_rows == mine.num_rows
         rows.append({"measure": f"materialize {kind} ({entry['rows']} rows, {entry['texts']} texts) vs hand SQL "
                      "+ texts joined (the same rows)", "mine_s": ours, "base_s": full, "ratio": ours / full,
                      "target": "<= 1.3"})
@@ -178,16 +186,17 @@ def main(argv: list[str] | None = None) -> int:
 
     log("2. export")
     out = os.path.join(args.work, "export")
-    ours, man = best_of(lambda: db.export("pairs", out, "parquet", overwrite=True), reps)
+    man = db.export("pairs", out, "parquet", overwrite=True)
     # the exported rows as one table (a large split comes in shards, written in parallel)
     table = pa.concat_tables([pq.read_table(os.path.join(out, f)) for f in man["files"]["train"]])
-    base, _ = best_of(lambda: pq.write_table(table, os.path.join(args.work, "same.parquet")), reps)
+    (ours, man), (base, _) = alternating(reps, lambda: db.export("pairs", out, "parquet", overwrite=True),
+                                         lambda: pq.write_table(table, os.path.join(args.work, "same.parquet")))
     rows.append({"measure": f"export parquet ({man['rows']} rows, {len(man['files']['train'])} file(s), rows/s) "
                  "vs pyarrow write_table", "mine_s": ours,
                  "base_s": base, "ratio": base / ours, "target": ">= 0.8 (throughput)"})
-    ours, man = best_of(lambda: db.export("pairs", out, "trl", overwrite=True), reps)
     layout = export_mod._layout("trl", "preference", table)
-    base, _ = best_of(lambda: layout.write_ndjson(os.path.join(args.work, "same.jsonl")), reps)
+    (ours, man), (base, _) = alternating(reps, lambda: db.export("pairs", out, "trl", overwrite=True),
+                                         lambda: layout.write_ndjson(os.path.join(args.work, "same.jsonl")))
     rows.append({"measure": f"export trl jsonl ({man['rows']} rows) vs polars write_ndjson of the layout",
                  "mine_s": ours, "base_s": base, "ratio": base / ours, "target": "(reported, throughput)"})
 
@@ -201,8 +210,7 @@ def main(argv: list[str] | None = None) -> int:
         db.materialize("pairs")
         return db.export("pairs", out, "parquet", overwrite=True)
 
-    ours, man = best_of(ours_e2e, reps)
-    base, t = best_of(hand_e2e, reps)
+    (ours, man), (base, t) = alternating(reps, ours_e2e, hand_e2e)
     mine = pa.concat_tables([pq.read_table(os.path.join(out, f)) for f in man["files"]["train"]])
     key = ["chosen_id", "rejected_id", "system", "prompt", "chosen", "rejected"]
     assert t.select(key).sort_by([(k, "ascending") for k in key[:2]]).equals(mine.select(key)), "end to end differs"
@@ -227,14 +235,16 @@ def main(argv: list[str] | None = None) -> int:
             e["_s"] = time.perf_counter() - t0
             return e
 
-        ts = []
-        for _ in range(reps):
+        ts, fulls = [], []
+        for _ in range(reps):  # taking turns, as alternating() does
             entry = again()
             ts.append(entry["_s"])
-        ours = statistics.median(ts)
-        refreshed = db.view(name).to_arrow()
-        full, _ = best_of(lambda n=name: db.materialize(n), reps)
-        assert db.view(name).to_arrow().equals(refreshed), f"{name}: refresh differs from the rebuild"
+            refreshed = db.view(name).to_arrow()
+            t0 = time.perf_counter()
+            db.materialize(name)
+            fulls.append(time.perf_counter() - t0)
+            assert db.view(name).to_arrow().equals(refreshed), f"{name}: refresh differs from the rebuild"
+        ours, full = statistics.median(ts), statistics.median(fulls)
         assert entry is not None
         rows.append({"measure": f"refresh {name} after 1% new data vs full rebuild ({entry['how']})",
                      "mine_s": ours, "base_s": full, "ratio": ours / full, "target": "<= 0.1"})
