@@ -225,6 +225,38 @@ def test_refresh_equals_rebuild(g: trellisdb.Database, kind: str, opts: dict[str
             assert e["how"].startswith("refreshed")
 
 
+def test_refresh_keeps_the_text_keys_of_the_table_on_disk(g: trellisdb.Database) -> None:
+    """Materialize and refresh leave the keys of a view's text table in memory for the next
+    refresh; after each they are the keys of the table as stored, a refresh in a process without
+    them gives the same view, and a view made again under the same name starts afresh."""
+    def kept_is_stored(name: str) -> None:
+        entry = views.ViewCatalog(g.path).load().entries[name]
+        kept = texts.cached(g, entry)
+        assert kept is not None
+        disk = texts.Known.of(texts._hashes(g, entry))
+        assert kept.keys.equals(disk.keys) and kept.checks.equals(disk.checks)
+
+    g.create_view("v", "preference", reward="reward('score')")
+    g.materialize("v")
+    rng = np.random.default_rng(5)
+    for _ in range(3):
+        kept_is_stored("v")
+        grow(g, rng, 12)
+        g.refresh("v")
+    kept_is_stored("v")
+    grow(g, rng, 12)
+    texts._KNOWN.clear()  # as another process would: the keys read from the table
+    e = g.refresh("v")
+    kept_is_stored("v")
+    spec = views.ViewCatalog(g.path).load().spec("v")
+    assert g.view("v").to_arrow().equals(views.compute(g, spec, e["commit"]))
+    assert stored_texts(g, "v") == rebuilt_texts(g, "v", e["commit"])
+    g.drop_view("v")
+    g.create_view("v", "sft", reward="reward('score')", threshold=0.5)
+    g.materialize("v")
+    kept_is_stored("v")
+
+
 def test_refresh_when_a_node_leaves_its_group(g: trellisdb.Database) -> None:
     """A re-set prompt moves A to a group no other changed node is in: the group A left is
     known only from the stored rows, and its row is recomputed without A."""

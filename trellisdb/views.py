@@ -569,7 +569,7 @@ def read_rows(db: Database, entry: Mapping[str, Any], columns: list[str] | None 
     ds = _open(db, entry)
     if columns is not None:
         return ds.to_table(columns=[*columns, ROW_ID])
-    t = ds.to_table()
+    t = ds.to_table(batch_size=texts.READ_BATCH_ROWS, batch_readahead=texts.READ_AHEAD)
     t = t.drop_columns([ROW_ID, *([] if codes else texts.code_columns(t.column_names))])
     # a full materialization writes the rows in key order; after a refresh's delete + append they need a sort
     shape = ViewSpec.from_dict(entry["spec"]).shape
@@ -603,6 +603,8 @@ def store(
                    0 if text is None else text.num_rows, sorted=True)
     cat.entries[spec.name] = entry
     cat.save()
+    # what the next refresh matches its rows' hashes against (~0.02 s now, 0.07-0.16 s then)
+    texts.remember(db, spec.name, entry, None if text is None else texts.Known.of(text["hash"]))
     _prune(ds)
     if tds is None:  # texts kept before, not now
         shutil.rmtree(texts.path(db, spec.name), ignore_errors=True)
@@ -652,6 +654,10 @@ def store_delta(
                    n_texts)
     cat.entries[spec.name] = entry
     cat.save()
+    have = texts.cached(db, old)  # the refresh's (``texts.known`` keeps what it reads)
+    if have is not None and new_texts is not None and new_texts.num_rows:
+        have = have.extended(new_texts["hash"])
+    texts.remember(db, spec.name, entry, have)
     if merged or ds.version % PRUNE_EVERY == 0:  # not on every refresh
         _prune(ds)
     return entry
@@ -677,6 +683,7 @@ def _prune(ds: Any) -> None:
 
 
 def remove(db: Database, name: str) -> None:
+    texts.remember(db, name, None, None)
     shutil.rmtree(_uri(db, name), ignore_errors=True)
     shutil.rmtree(texts.path(db, name), ignore_errors=True)
 
