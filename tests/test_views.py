@@ -924,3 +924,28 @@ def test_a_view_can_leave_its_texts_to_the_export(g: trellisdb.Database, tmp_pat
     assert a.equals(b) and a.num_rows > 0
     with pytest.raises(trellisdb.ValidationError, match="keep_texts must be True or False"):
         g.create_view("bad", "sft", keep_texts="no")
+
+
+def test_parquet_dictionary_encodes_only_the_repeating_columns(tmp_path: Path) -> None:
+    """Parquet export asks for a dictionary on the columns whose first values repeat (and the
+    text dictionaries kept as they are), not on mostly distinct ones; the file reads back the same."""
+    from trellisdb import export
+
+    n = 10_000
+    kept = pa.DictionaryArray.from_arrays(pa.array(np.zeros(n, np.int32)), pa.array(["the system prompt"]))
+    t = pa.table({
+        "task": pa.array(["t1", "t2"] * (n // 2)),
+        "node_id": pa.array([f"n{i}" for i in range(n)]),
+        "node_ids": pa.array([[f"n{i}", f"m{i}"] for i in range(n)]),
+        "steps": pa.array([["a", "b", "a"]] * n),
+        "margin": pa.array(np.linspace(0, 1, n)),
+        "system": kept,
+    })
+    t = t.set_column(5, t.schema.field("system").with_metadata({export._KEEP: b"1"}), kept)
+    assert export._repeating(t) == ["task", "steps.list.element", "system"]
+    path = tmp_path / "x.parquet"
+    pq.write_table(t, path, use_dictionary=export._repeating(t))
+    md = pq.ParquetFile(path).metadata.row_group(0)
+    dictionary = {md.column(i).path_in_schema for i in range(md.num_columns) if "RLE_DICTIONARY" in md.column(i).encodings}
+    assert dictionary == {"task", "steps.list.element", "system"}
+    assert pq.read_table(path).to_pylist() == t.to_pylist()
