@@ -171,6 +171,8 @@ class Known:
         return Known(pl.concat([self.keys, more.keys]), pl.concat([self.checks, more.checks]))
 
 
+#: Text tables of up to this many texts have their ``Known`` kept (16 bytes a text: 128 MB at most).
+KNOWN_TEXTS: Final = 8_000_000
 #: Per open database, per view: its text table's ``Known``, tagged with the catalog entry it
 #: belongs to. Materialize and refresh leave it here, so a refresh in the same process does not
 #: read and hash the whole text table again (785k texts: 0.07-0.16 s, beside the refresh's SQL).
@@ -186,7 +188,7 @@ def _tag(entry: Mapping[str, Any]) -> tuple[Any, ...]:
 def remember(db: Database, name: str, entry: Mapping[str, Any] | None, have: Known | None) -> None:
     """Keep ``have`` as the ``Known`` of view ``name`` as ``entry`` stores it (None: forget it)."""
     views = _KNOWN.setdefault(db, {})
-    if entry is None or have is None or entry.get("texts_version") is None:
+    if entry is None or have is None or entry.get("texts_version") is None or len(have.keys) > KNOWN_TEXTS:
         views.pop(name, None)
     else:
         views[name] = (_tag(entry), have)
