@@ -137,3 +137,26 @@ def test_rows_a_reader_saw_in_flight_are_mirrored_once_committed(tmp_path: Path,
     assert reader._engine._broken == set() and set(reader._engine._upto) == set(DATA_TABLES)
     reader.close()
     db.close()
+
+
+def test_the_rewards_mirror_is_copied_in_channel_order(tmp_path: Path) -> None:
+    """A commit's rewards, channels interleaved, enter the mirror grouped by channel (so each
+    row group's min/max lets a channel filter skip the rest), and read back the same."""
+    import pyarrow as pa
+
+    db = trellisdb.connect(tmp_path / "db")
+    w = db.session(id="s", task="t")
+    ids = [w.add_node(id=f"n{i}") for i in range(30)]
+    db.flush()
+    channels = ["zeta", "alpha", "mid"]
+    db.ingest({"rewards": pa.table({"node_id": [n for n in ids for _ in channels],
+                                    "channel": channels * len(ids),
+                                    "value": [float(i) for i in range(len(ids) * len(channels))]})})
+    fresh = trellisdb.connect(tmp_path / "db")  # its first query copies every row
+    con = fresh._engine.prepare(fresh._log.refresh(), fresh.log()[-1]["id"])
+    stored = [r[0] for r in con.execute("SELECT channel FROM __mir_rewards ORDER BY rowid").fetchall()]
+    assert stored == sorted(stored) and len(stored) == 90
+    got = fresh.sql("SELECT node_id, channel, value FROM rewards ORDER BY value").to_pylist()
+    assert [(r["node_id"], r["channel"]) for r in got] == [(n, c) for n in ids for c in channels]
+    fresh.close()
+    db.close()
