@@ -141,7 +141,8 @@ def test_rows_a_reader_saw_in_flight_are_mirrored_once_committed(tmp_path: Path,
 
 def test_the_rewards_mirror_is_copied_in_channel_order(tmp_path: Path) -> None:
     """A commit's rewards, channels interleaved, enter the mirror grouped by channel (so each
-    row group's min/max lets a channel filter skip the rest), and read back the same."""
+    row group's min/max lets a channel filter skip the rest), and read back the same; the
+    first copy gets its lookup indexes."""
     import pyarrow as pa
 
     db = trellisdb.connect(tmp_path / "db")
@@ -158,5 +159,8 @@ def test_the_rewards_mirror_is_copied_in_channel_order(tmp_path: Path) -> None:
     assert stored == sorted(stored) and len(stored) == 90
     got = fresh.sql("SELECT node_id, channel, value FROM rewards ORDER BY value").to_pylist()
     assert [(r["node_id"], r["channel"]) for r in got] == [(n, c) for n in ids for c in channels]
+    # the lookup indexes are built once the first copy is committed (in bulk), one per lookup column
+    indexes = {r[0] for r in con.execute("SELECT index_name FROM duckdb_indexes()").fetchall()}
+    assert {"__ix_nodes_id", "__ix_edges_dst", "__ix_rewards_node_id", "__ix_sup_rewards"} <= indexes
     fresh.close()
     db.close()

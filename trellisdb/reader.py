@@ -17,6 +17,7 @@ DuckDB specifics stay in this module.
 
 from __future__ import annotations
 
+import contextlib
 import re
 import threading
 import time
@@ -307,6 +308,9 @@ class SqlEngine:
             todo.append((name, done, new, mark))
         if not todo:
             return
+        # the tables copied for the first time get their indexes after the copy is committed
+        first = [name for name, done, _new, _mark in todo
+                 if name in LOOKUP_COLUMNS and name in self.mirrored and not done and not self._indexed(con, name)]
         # One transaction for every table touched (a statement costs ~1 ms
         # here); should one table fail, redo them one by one to isolate it.
         try:
@@ -331,6 +335,21 @@ class SqlEngine:
             if low is not False:
                 self._broken.discard(name)
                 self._advance(name, snapshot, top, mark, low)
+        for name in first:
+            if name not in self._broken:
+                self._index(con, name)
+
+    @staticmethod
+    def _index(con: duckdb.DuckDBPyConnection, name: str) -> None:
+        """The ART indexes of a mirror table and its supersessions, built once over the first
+        copy, outside its transaction, then kept up by DuckDB. Built in bulk: inside the
+        transaction DuckDB defers them to the commit and inserts row by row (5M rewards:
+        2.3-2.7 s vs 1.3-1.4 s). An index only speeds lookups: one that fails to build is left out."""
+        with contextlib.suppress(duckdb.Error):
+            for col in LOOKUP_COLUMNS[name]:
+                con.execute(f"CREATE INDEX IF NOT EXISTS __ix_{name}_{col} ON __mir_{name}({col})")
+            # the current view's anti-join probes superseded versions by key
+            con.execute(f"CREATE INDEX IF NOT EXISTS __ix_sup_{name} ON __sup_{name}({KEYS[name][0]})")
 
     def _advance(self, name: str, snapshot: int, top: int, mark: int, low: int | None) -> None:
         self._upto[name] = snapshot
@@ -355,13 +374,7 @@ class SqlEngine:
                 f"SELECT {keys}, commit_id, commit_id AS by_commit FROM __lance_{name} LIMIT 0"
             )
             done = 0
-        first = done == 0 and mirrored and not self._indexed(con, name)
         copied = mirrored and self._mirror_new(con, name, new, done, snapshot, aborted)
-        if first:  # built once over the first copy (cheaper than row by row), then kept up by DuckDB
-            for col in LOOKUP_COLUMNS.get(name, ()):
-                con.execute(f"CREATE INDEX IF NOT EXISTS __ix_{name}_{col} ON __mir_{name}({col})")
-            if name in LOOKUP_COLUMNS:  # the current view's anti-join probes superseded versions by key
-                con.execute(f"CREATE INDEX IF NOT EXISTS __ix_sup_{name} ON __sup_{name}({KEYS[name][0]})")
         if mirrored and not copied:
             return None  # no new rows: nothing superseded either
         source = f"__mir_{name}" if mirrored else f"__lance_{name}"
