@@ -21,7 +21,7 @@ import contextlib
 import re
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import duckdb
@@ -87,6 +87,22 @@ LOOKUP_COLUMNS: dict[str, tuple[str, ...]] = {"nodes": ("id",), "edges": ("dst",
 #: on with a constant: a reward channel (``reward('x')``). Each DuckDB row group then holds
 #: one channel or a few, and its min/max lets a channel filter skip the others.
 CLUSTER: dict[str, str] = {"rewards": "channel"}
+#: A large copy of such a table is sorted in parts of this many rows (~300 MB of rewards).
+CLUSTER_ROWS = 1 << 22
+
+
+def _parts(reader: pa.RecordBatchReader, rows: int) -> Iterator[pa.Table]:
+    """``reader``'s batches gathered into tables of about ``rows`` rows."""
+    held: list[pa.RecordBatch] = []
+    n = 0
+    for b in reader:
+        held.append(b)
+        n += b.num_rows
+        if n >= rows:
+            yield pa.Table.from_batches(held)
+            held, n = [], 0
+    if held:
+        yield pa.Table.from_batches(held)
 
 
 def _narrow(name: str) -> str:
@@ -406,16 +422,23 @@ class SqlEngine:
             rows = ds.scanner(
                 columns=cols, fragments=new, filter=f"commit_id > {int(done)} AND commit_id <= {int(snapshot)}"
             ).to_reader()
-        con.register("__new_rows", rows)
-        try:
-            order = f" ORDER BY {CLUSTER[name]}" if name in CLUSTER else ""
-            row = con.execute(
-                f"INSERT INTO __mir_{name} SELECT * FROM __new_rows "
-                f"WHERE commit_id > {int(done)} AND {_visible(snapshot, aborted)}{order}"
-            ).fetchone()
-        finally:
-            con.unregister("__new_rows")
-        return bool(row and row[0])
+        insert = f"INSERT INTO __mir_{name} SELECT * FROM __new_rows WHERE commit_id > {int(done)} AND " \
+            f"{_visible(snapshot, aborted)}"
+        parts: Iterable[pa.Table | pa.RecordBatchReader] = [rows]
+        if name in CLUSTER:
+            # sorted a part at a time: what the sort holds besides the mirror stays bounded
+            insert += f" ORDER BY {CLUSTER[name]}"
+            if isinstance(rows, pa.RecordBatchReader):
+                parts = _parts(rows, CLUSTER_ROWS)
+        added = 0
+        for part in parts:
+            con.register("__new_rows", part)
+            try:
+                row = con.execute(insert).fetchone()
+            finally:
+                con.unregister("__new_rows")
+            added += int(row[0]) if row and row[0] else 0
+        return added > 0
 
     def _create_views(
         self, con: duckdb.DuckDBPyConnection, aborted: list[int], broken: frozenset[str], superseded: frozenset[str]
