@@ -53,17 +53,17 @@ CH = "combined_score"
 TEXT_COLUMNS = {"preference": ("system", "prompt", "chosen", "rejected"), "grpo": ("prompt",)}
 LINEAGE = "('derived_from', 'repair_of', 'crossover_of')"
 
-#: The same rows as the views, written by hand over Parquet copies of the current tables.
+#: The same rows as the views, written by hand over Parquet copies of the current tables
+#: (each node's artifact hashes by one join per name, as the views' SQL does since run Z).
 HAND = {
     "preference": f"""
         WITH a AS (
-          SELECT n.id, n.task_id, r.value AS reward,
-                 max(na.hash) FILTER (WHERE na.name = 'system_prompt') AS system_hash,
-                 max(na.hash) FILTER (WHERE na.name = 'prompt') AS prompt_hash,
-                 max(na.hash) FILTER (WHERE na.name = 'response') AS response_hash
+          SELECT n.id, n.task_id, r.value AS reward, s.hash AS system_hash, q.hash AS prompt_hash,
+                 x.hash AS response_hash
           FROM nodes n JOIN rewards r ON r.node_id = n.id AND r.channel = '{CH}'
-          LEFT JOIN node_artifacts na ON na.node_id = n.id
-          GROUP BY n.id, n.task_id, r.value),
+          LEFT JOIN node_artifacts s ON s.node_id = n.id AND s.name = 'system_prompt'
+          LEFT JOIN node_artifacts q ON q.node_id = n.id AND q.name = 'prompt'
+          LEFT JOIN node_artifacts x ON x.node_id = n.id AND x.name = 'response'),
         g AS (SELECT a.*, e.src AS grp FROM a JOIN (SELECT DISTINCT src, dst FROM edges
               WHERE kind IN {LINEAGE}) e ON e.dst = a.id),
         p AS (SELECT c.id AS chosen_id, r.id AS rejected_id, min(c.grp) AS group_key,
@@ -75,10 +75,9 @@ HAND = {
         FROM p JOIN a c ON c.id = p.chosen_id JOIN a x ON x.id = p.rejected_id""",
     "grpo": f"""
         WITH a AS (
-          SELECT n.id, n.task_id, r.value AS reward,
-                 max(na.hash) FILTER (WHERE na.name = 'prompt') AS prompt_hash
+          SELECT n.id, n.task_id, r.value AS reward, q.hash AS prompt_hash
           FROM nodes n JOIN rewards r ON r.node_id = n.id AND r.channel = '{CH}'
-          LEFT JOIN node_artifacts na ON na.node_id = n.id GROUP BY n.id, n.task_id, r.value),
+          LEFT JOIN node_artifacts q ON q.node_id = n.id AND q.name = 'prompt'),
         g AS (SELECT a.*, e.src AS grp FROM a JOIN (SELECT DISTINCT src, dst FROM edges
               WHERE kind IN {LINEAGE}) e ON e.dst = a.id),
         st AS (SELECT grp, avg(reward) AS m, stddev_pop(reward) AS sd, count(*) AS n FROM g GROUP BY grp),

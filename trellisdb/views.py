@@ -285,11 +285,12 @@ def _common(spec: ViewSpec, base: str, restrict: bool) -> list[str]:
     ctes = [f"b AS (SELECT * FROM ({base}) WHERE {'__reward IS NOT NULL' if need_reward else 'true'}{members})",
             "art AS (SELECT node_id, name, hash FROM node_artifacts "
             "WHERE name IN ($__sys, $__prompt, $__resp) AND node_id IN (SELECT id FROM b))",
-            "a AS (SELECT b.id, b.task_id, b.__reward, "
-            "max(art.hash) FILTER (WHERE art.name = $__sys) AS system_hash, "
-            "max(art.hash) FILTER (WHERE art.name = $__prompt) AS prompt_hash, "
-            "max(art.hash) FILTER (WHERE art.name = $__resp) AS response_hash "
-            "FROM b LEFT JOIN art ON art.node_id = b.id GROUP BY b.id, b.task_id, b.__reward)"]
+            # (node_id, name) is the current node_artifacts' key: one join per role, no pivot GROUP BY
+            # (a 1M-node preference compute 2.43 -> 2.24 s, grpo 2.82 -> 2.55 s)
+            "a AS (SELECT b.id, b.task_id, b.__reward, s.hash AS system_hash, p.hash AS prompt_hash, "
+            "r.hash AS response_hash FROM b LEFT JOIN art s ON s.node_id = b.id AND s.name = $__sys "
+            "LEFT JOIN art p ON p.node_id = b.id AND p.name = $__prompt "
+            "LEFT JOIN art r ON r.node_id = b.id AND r.name = $__resp)"]
     if spec.group_by == "parent":
         # restricted: only the edges into members from dirty groups (the DISTINCT over every edge
         # is the largest cost of a small refresh otherwise); the joins below keep no others anyway
