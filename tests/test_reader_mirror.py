@@ -198,12 +198,14 @@ def test_a_large_rewards_copy_is_sorted_a_part_at_a_time(tmp_path: Path, monkeyp
     db.close()
 
 
-def test_parts_gather_a_stream_into_tables_of_about_n_rows() -> None:
+def test_a_stream_is_gathered_into_tables_of_about_n_rows() -> None:
     import pyarrow as pa
 
-    from trellisdb.reader import _parts
+    from trellisdb.reader import gathered
 
     batches = [pa.record_batch({"x": list(range(i * 10, i * 10 + 10))}) for i in range(5)]
-    parts = list(_parts(pa.RecordBatchReader.from_batches(batches[0].schema, batches), 25))
+    parts = list(gathered(pa.RecordBatchReader.from_batches(batches[0].schema, batches), 25))
     assert [p.num_rows for p in parts] == [30, 20]
     assert pa.concat_tables(parts)["x"].to_pylist() == list(range(50))
+    by_bytes = list(gathered(iter(batches), 2 * batches[0].nbytes, lambda b: b.nbytes))
+    assert [p.num_rows for p in by_bytes] == [20, 20, 10]

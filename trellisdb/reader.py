@@ -91,14 +91,17 @@ CLUSTER: dict[str, str] = {"rewards": "channel"}
 CLUSTER_ROWS = 1 << 22
 
 
-def _parts(reader: pa.RecordBatchReader, rows: int) -> Iterator[pa.Table]:
-    """``reader``'s batches gathered into tables of about ``rows`` rows."""
+def gathered(
+    batches: Iterable[pa.RecordBatch], limit: int, size: Callable[[pa.RecordBatch], int] = lambda b: b.num_rows
+) -> Iterator[pa.Table]:
+    """``batches`` gathered into tables of about ``limit`` rows (or whatever ``size`` counts:
+    ``lambda b: b.nbytes`` for bytes), the last one smaller."""
     held: list[pa.RecordBatch] = []
     n = 0
-    for b in reader:
+    for b in batches:
         held.append(b)
-        n += b.num_rows
-        if n >= rows:
+        n += size(b)
+        if n >= limit:
             yield pa.Table.from_batches(held)
             held, n = [], 0
     if held:
@@ -429,7 +432,7 @@ class SqlEngine:
             # sorted a part at a time: what the sort holds besides the mirror stays bounded
             insert += f" ORDER BY {CLUSTER[name]}"
             if isinstance(rows, pa.RecordBatchReader):
-                parts = _parts(rows, CLUSTER_ROWS)
+                parts = gathered(rows, CLUSTER_ROWS)
         added = 0
         for part in parts:
             con.register("__new_rows", part)

@@ -41,6 +41,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from trellisdb.errors import ExportError, TrellisError
+from trellisdb.reader import gathered
 
 if TYPE_CHECKING:
     from trellisdb.database import Database
@@ -446,13 +447,4 @@ def resolve(
 
 def _windows(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.Table]:
     """``batches`` gathered into tables of about ``TEXT_BATCH_BYTES`` (the last one smaller)."""
-    window: list[pa.RecordBatch] = []
-    size = 0
-    for b in batches:
-        window.append(b)
-        size += b.nbytes
-        if size >= TEXT_BATCH_BYTES:
-            yield pa.Table.from_batches(window)
-            window, size = [], 0
-    if window:
-        yield pa.Table.from_batches(window)
+    return gathered(batches, TEXT_BATCH_BYTES, lambda b: b.nbytes)
