@@ -103,19 +103,9 @@ def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
-def best_of(fn: Callable[[], Any], reps: int) -> tuple[float, Any]:
-    """The median time of ``reps`` runs of ``fn``, and its last result."""
-    ts, out = [], None
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        out = fn()
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts), out
-
-
 def alternating(reps: int, *fns: Callable[[], Any]) -> list[tuple[float, Any]]:
-    """``best_of`` for each of ``fns``, their runs taking turns: a slow spell of this shared
-    machine then slows every side of a ratio, not one."""
+    """For each of ``fns``, the median time of ``reps`` runs and its last result; the runs take
+    turns, so a slow spell of this shared machine slows every side of a ratio, not one."""
     ts: list[list[float]] = [[] for _ in fns]
     outs: list[Any] = [None] * len(fns)
     for _ in range(reps):

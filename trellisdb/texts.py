@@ -9,7 +9,9 @@ position of its text in that table, null where the artifact is absent. An export
 rows and the texts and hands them to the writers as dictionaries, with no join at export time
 (``texts_of``); a refresh resolves only the texts of its new rows that the table lacks
 (``extend``): the artifacts written since the view's commit in one filtered scan, older ones
-where the last full scan in this process found them (``Addresses``), else by hash.
+where the last full scan in this process found them (``Addresses``), else by hash; it matches
+them against the table's keys (``Known``), which materialize and refresh leave in memory for
+the next refresh in the process.
 
 The table only grows between materializations: the texts of rows a refresh replaced stay,
 unreferenced, until the view is next materialized in full. Texts are checked to be UTF-8 only
@@ -188,11 +190,11 @@ def _tag(entry: Mapping[str, Any]) -> tuple[Any, ...]:
 
 def remember(db: Database, name: str, entry: Mapping[str, Any] | None, have: Known | None) -> None:
     """Keep ``have`` as the ``Known`` of view ``name`` as ``entry`` stores it (None: forget it)."""
-    views = _KNOWN.setdefault(db, {})
+    kept = _KNOWN.setdefault(db, {})
     if entry is None or have is None or entry.get("texts_version") is None or len(have.keys) > KNOWN_TEXTS:
-        views.pop(name, None)
+        kept.pop(name, None)
     else:
-        views[name] = (_tag(entry), have)
+        kept[name] = (_tag(entry), have)
 
 
 def cached(db: Database, entry: Mapping[str, Any]) -> Known | None:
