@@ -19,6 +19,7 @@ import pytest
 
 import trellisdb
 from trellisdb import texts, views
+from trellisdb.writer import content_hash
 
 from . import openevolve
 
@@ -114,6 +115,35 @@ def test_grpo_groups_and_advantages(g: trellisdb.Database) -> None:
     g.create_view("gr2", "grpo", reward="reward('score')", drop_zero_variance=True, min_size=3)
     g.materialize("gr2")
     assert [r["group_key"] for r in rows(g, "gr2")] == ["R"]
+
+
+def test_grpo_group_prompt_is_the_majority(tmp_path: Path) -> None:
+    """A group's prompt is the one most members share (ties: the smallest hash), its system
+    the smallest among the members with that prompt; members without a prompt do not vote."""
+    db = trellisdb.connect(tmp_path / "db")
+    h = {t: content_hash(t.encode()) for t in ("x", "y", "s1", "s2", "s3")}
+    tie_lo = min(h["x"], h["y"])
+    kids = {"M": [("x", "s2"), ("x", "s1"), ("y", "s3"), (None, "s3")],  # x by 2 to 1
+            "T": [("x", "s1"), ("y", "s2")],  # a tie: the smaller hash
+            "N": [(None, "s2"), (None, None)]}  # no prompt at all
+    with db.transaction():
+        s = db.session(task="t", agent="a")
+        for parent, members in kids.items():
+            s.add_node(id=parent)
+            for i, (prompt, system) in enumerate(members):
+                a = {k: v for k, v in (("prompt", prompt), ("system_prompt", system)) if v is not None}
+                s.add_node(id=f"{parent}{i}", parents=[parent], artifacts=a)
+                s.add_reward(f"{parent}{i}", "score", float(i))
+    db.create_view("gr", "grpo", reward="reward('score')")
+    db.materialize("gr")
+    got = {r["group_key"]: (r["prompt_hash"], r["system_hash"], r["size"]) for r in rows(db, "gr")}
+    tie_sys = h["s1"] if tie_lo == h["x"] else h["s2"]
+    assert got == {"M": (h["x"], min(h["s1"], h["s2"]), 4), "T": (tie_lo, tie_sys, 2), "N": (None, h["s2"], 2)}
+    db.create_view("gp", "grpo", reward="reward('score')", group_by="prompt")
+    db.materialize("gp")
+    got = {r["group_key"]: (r["prompt_hash"], r["system_hash"], r["node_ids"]) for r in rows(db, "gp")}
+    assert got == {h["x"]: (h["x"], min(h["s1"], h["s2"]), ["M0", "M1", "T0"]),
+                   h["y"]: (h["y"], min(h["s2"], h["s3"]), ["M2", "T1"])}
 
 
 def test_sft_kto_stepwise(g: trellisdb.Database) -> None:
