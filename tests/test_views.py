@@ -256,15 +256,22 @@ def test_refresh_equals_rebuild(g: trellisdb.Database, kind: str, opts: dict[str
 
 
 def test_refresh_keeps_the_text_keys_of_the_table_on_disk(g: trellisdb.Database) -> None:
-    """Materialize and refresh leave the keys of a view's text table in memory for the next
-    refresh; after each they are the keys of the table as stored, a refresh in a process without
-    them gives the same view, and a view made again under the same name starts afresh."""
+    """Materialize and refresh leave the keys of a view's text table and its rows' provenance
+    in memory for the next refresh; after each they are those of the tables as stored, a refresh
+    in a process without them gives the same view, and a view made again under the same name
+    starts afresh."""
     def kept_is_stored(name: str) -> None:
         entry = views.ViewCatalog(g.path).load().entries[name]
         kept = texts.cached(g, entry)
         assert kept is not None
         disk = texts.Known.of(texts._hashes(g, entry))
         assert kept.keys.equals(disk.keys) and kept.checks.equals(disk.checks)
+        # and the rows' provenance a refresh reads
+        prov = views._KEPT[g][name]
+        assert prov.tag == views._rows_tag(entry)
+        cols = views._provenance(views.ViewSpec.from_dict(entry["spec"]))
+        on_disk = views.read_rows(g, entry, cols).sort_by(views.ROW_ID)
+        assert prov.table().sort_by(views.ROW_ID).equals(on_disk) and on_disk.num_rows == entry["rows"]
 
     g.create_view("v", "preference", reward="reward('score')")
     g.materialize("v")
@@ -275,7 +282,8 @@ def test_refresh_keeps_the_text_keys_of_the_table_on_disk(g: trellisdb.Database)
         g.refresh("v")
     kept_is_stored("v")
     grow(g, rng, 12)
-    texts._KNOWN.clear()  # as another process would: the keys read from the table
+    texts._KNOWN.clear()  # as another process would: the keys and rows read from the tables
+    views._KEPT.clear()
     e = g.refresh("v")
     kept_is_stored("v")
     spec = views.ViewCatalog(g.path).load().spec("v")
@@ -285,6 +293,23 @@ def test_refresh_keeps_the_text_keys_of_the_table_on_disk(g: trellisdb.Database)
     g.create_view("v", "sft", reward="reward('score')", threshold=0.5)
     g.materialize("v")
     kept_is_stored("v")
+
+
+def test_a_new_comparison_refreshes_only_views_that_read_comparisons(g: trellisdb.Database) -> None:
+    g.create_view("gr", "grpo", reward="reward('score')")
+    g.create_view("sib", "preference", reward="reward('score')", pairs_from=["siblings"])
+    g.create_view("cmp", "preference", reward="reward('score')")
+    for v in ("gr", "sib", "cmp"):
+        g.materialize(v)
+    with g.transaction():
+        g.resume("s1").add_comparison("F", "G", preferred="G", margin=0.5, judge="human")
+    assert ("G", "F") not in {(r["chosen_id"], r["rejected_id"]) for r in rows(g, "cmp")}
+    for v, how in (("gr", "unchanged"), ("sib", "unchanged"), ("cmp", "refreshed")):
+        e = g.refresh(v)
+        assert e["how"].startswith(how), (v, e["how"])
+        spec = views.ViewCatalog(g.path).load().spec(v)
+        assert g.view(v).to_arrow().equals(views.compute(g, spec, e["commit"]))
+    assert ("G", "F") in {(r["chosen_id"], r["rejected_id"]) for r in rows(g, "cmp")}
 
 
 def test_refresh_when_a_node_leaves_its_group(g: trellisdb.Database) -> None:

@@ -61,6 +61,7 @@ import json
 import math
 import os
 import shutil
+import weakref
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -578,6 +579,78 @@ def _open(db: Database, entry: Mapping[str, Any]) -> Any:
                            "run db.materialize(name) to recompute them") from e
 
 
+#: A view's provenance (``refresh_rows``' columns of its stored rows) is kept in memory for
+#: views of up to this many provenance node ids (8M: some 400 MB of ids at most).
+KEPT_NODE_IDS: Final = 8_000_000
+
+
+@dataclass
+class _Kept:
+    """A view's stored provenance as one materialization or refresh left it: ``base`` (a table,
+    or the ``_Kept`` it was refreshed from) less the row ids ``drop``, plus ``fresh``. Resolved
+    on first use (by the next refresh, on its reading thread), then held as a table."""
+
+    tag: tuple[Any, ...]
+    base: pa.Table | _Kept
+    drop: np.ndarray | None = None
+    fresh: pa.Table | None = None
+    ids: int = 0  # provenance node ids held
+
+    def table(self) -> pa.Table:
+        base = self.base.table() if isinstance(self.base, _Kept) else self.base
+        if self.drop is not None and len(self.drop):
+            base = base.filter(pc.invert(pc.is_in(base[ROW_ID], value_set=pa.array(self.drop, pa.int64()))))
+        if self.fresh is not None and self.fresh.num_rows:
+            base = pa.concat_tables([base, self.fresh.select(base.column_names).cast(base.schema)])
+        self.base, self.drop, self.fresh = base, None, None
+        return base
+
+
+_KEPT: weakref.WeakKeyDictionary[Database, dict[str, _Kept]] = weakref.WeakKeyDictionary()
+
+
+def _provenance(spec: ViewSpec) -> list[str]:
+    """The columns of a view's rows a refresh reads to find the rows it replaces."""
+    return ["node_ids", *(["group_key"] if "group_key" in SCHEMAS[spec.shape].names else []),
+            *(["node_id"] if spec.paths else [])]
+
+
+def _rows_tag(entry: Mapping[str, Any]) -> tuple[Any, ...]:
+    """What names one state of a view's stored rows (as ``texts._tag`` for its texts)."""
+    return entry.get("version"), entry.get("next_row"), entry.get("rows"), entry.get("computed_at")
+
+
+def _keep(db: Database, name: str, entry: Mapping[str, Any] | None, kept: pa.Table | _Kept | None,
+          drop: np.ndarray | None = None, fresh: pa.Table | None = None) -> None:
+    """Keep the provenance of view ``name`` as ``entry`` stores it: ``kept`` (the stored rows'
+    provenance, or the previous ``_Kept``) less ``drop``, plus ``fresh`` (None: forget it)."""
+    views_kept = _KEPT.setdefault(db, {})
+    views_kept.pop(name, None)
+    if entry is None or kept is None:
+        return
+    ids = sum(_ids(t) for t in (kept, fresh) if isinstance(t, pa.Table))
+    ids += kept.ids if isinstance(kept, _Kept) else 0
+    if ids <= KEPT_NODE_IDS:
+        views_kept[name] = _Kept(_rows_tag(entry), kept, drop, fresh, ids)
+
+
+def _ids(t: pa.Table) -> int:
+    return int(pc.sum(pc.list_value_length(t["node_ids"])).as_py() or 0)
+
+
+def stored_provenance(db: Database, entry: Mapping[str, Any]) -> pa.Table:
+    """``_provenance``'s columns of a view's stored rows and their row ids, unsorted: kept from
+    this process's last materialize or refresh of the view, else read (and kept)."""
+    name = entry["spec"]["name"]
+    kept = _KEPT.get(db, {}).get(name)
+    if kept is not None and kept.tag == _rows_tag(entry):
+        _open(db, entry)  # still there (the refresh writes to it): a clear error now if not
+        return kept.table()
+    t = read_rows(db, entry, _provenance(ViewSpec.from_dict(entry["spec"])))
+    _keep(db, name, entry, t)
+    return t
+
+
 def read_rows(db: Database, entry: Mapping[str, Any], columns: list[str] | None = None, codes: bool = False) -> pa.Table:
     """The stored rows of a materialized view, in key order (``codes``: with their text code
     columns; ``columns``: only those, unsorted, with the internal row id)."""
@@ -620,6 +693,7 @@ def store(
     cat.save()
     # what the next refresh matches its rows' hashes against (~0.02 s now, 0.07-0.16 s then)
     texts.remember(db, spec.name, entry, None if text is None else texts.Known.of(text["hash"]))
+    _keep(db, spec.name, entry, t.select([*_provenance(spec), ROW_ID]))
     _prune(ds)
     if tds is None:  # texts kept before, not now
         shutil.rmtree(texts.path(db, spec.name), ignore_errors=True)
@@ -655,8 +729,8 @@ def store_delta(
     if len(drop):
         ds.delete(f"{ROW_ID} IN ({', '.join(str(int(r)) for r in drop)})")
     start = int(old["next_row"])
+    t = fresh.append_column(ROW_ID, pa.array(np.arange(start, start + fresh.num_rows, dtype=np.int64)))
     if fresh.num_rows:
-        t = fresh.append_column(ROW_ID, pa.array(np.arange(start, start + fresh.num_rows, dtype=np.int64)))
         ds = lance.write_dataset(t.cast(ds.schema), _uri(db, spec.name), mode="append")
     else:
         ds = lance.dataset(_uri(db, spec.name))
@@ -673,6 +747,9 @@ def store_delta(
     if have is not None and new_texts is not None and new_texts.num_rows:
         have = have.extended(new_texts["hash"])
     texts.remember(db, spec.name, entry, have)
+    kept = _KEPT.get(db, {}).get(spec.name)
+    _keep(db, spec.name, entry, kept if kept is not None and kept.tag == _rows_tag(old) else None,
+          drop, t.select([*_provenance(spec), ROW_ID]))
     if merged or ds.version % PRUNE_EVERY == 0:  # not on every refresh
         _prune(ds)
     return entry
@@ -699,32 +776,39 @@ def _prune(ds: Any) -> None:
 
 def remove(db: Database, name: str) -> None:
     texts.remember(db, name, None, None)
+    _keep(db, name, None, None)
     shutil.rmtree(_uri(db, name), ignore_errors=True)
     shutil.rmtree(texts.path(db, name), ignore_errors=True)
 
 
 # ------------------------------------------------------------------ refresh
-def changed_since(since: int) -> str:
+def changed_since(since: int, comparisons: bool = True) -> str:
     """SQL for the nodes the commits after ``since`` touched: written, rewarded, given
-    artifacts, joined by an edge (either end) or compared."""
+    artifacts, joined by an edge (either end) or compared (``comparisons``)."""
     return " UNION ".join(
         f"SELECT {col} AS id FROM {t}_history WHERE commit_id > {int(since)}"
         for t, col in (("nodes", "id"), ("rewards", "node_id"), ("node_artifacts", "node_id"), ("edges", "src"),
-                       ("edges", "dst"), ("comparisons", "a"), ("comparisons", "b"))
+                       ("edges", "dst"), *((("comparisons", "a"), ("comparisons", "b")) if comparisons else ()))
     )
+
+
+def _compares(spec: ViewSpec) -> bool:
+    """Whether the view's rows read the comparisons (only preference pairs taken from them do)."""
+    return spec.kind == "preference" and "comparisons" in spec.pairs_from
 
 
 def _members_sql(spec: ViewSpec, nodes: str, groups: str) -> str:
     """SQL for the nodes a restricted compute reads: the members of the groups in relation
-    ``groups`` (column ``grp``), the nodes in ``nodes`` (column ``id``) and the other side of
-    their comparisons."""
+    ``groups`` (column ``grp``), the nodes in ``nodes`` (column ``id``) and, for a view that
+    reads comparisons, the other side of theirs."""
     kinds = ", ".join(f"'{k}'" for k in spec.via)
     if spec.group_by == "parent":
         grp_members = f"SELECT dst AS id FROM edges WHERE kind IN ({kinds}) AND src IN (SELECT grp FROM {groups})"
     else:
         grp_members = f"SELECT node_id AS id FROM node_artifacts WHERE name = $p AND hash IN (SELECT grp FROM {groups})"
-    return (f"{grp_members} UNION SELECT id FROM {nodes} UNION SELECT b FROM comparisons "
-            f"WHERE a IN (SELECT id FROM {nodes}) UNION SELECT a FROM comparisons WHERE b IN (SELECT id FROM {nodes})")
+    partners = (f" UNION SELECT b FROM comparisons WHERE a IN (SELECT id FROM {nodes}) "
+                f"UNION SELECT a FROM comparisons WHERE b IN (SELECT id FROM {nodes})") if _compares(spec) else ""
+    return f"{grp_members} UNION SELECT id FROM {nodes}{partners}"
 
 
 def _dirty(db: Database, spec: ViewSpec, since: int, upto: int) -> tuple[pa.Array, pa.Array, pa.Array]:
@@ -741,7 +825,7 @@ def _dirty(db: Database, spec: ViewSpec, since: int, upto: int) -> tuple[pa.Arra
     state = db._log.refresh()
     # the touched nodes first, on their own: as a CTE DuckDB guessed them at millions of rows and
     # built its hash tables on the edges (0.17 s at 1M nodes; 0.07 s in two statements)
-    changed = db._engine.run(state, upto, changed_since(since))
+    changed = db._engine.run(state, upto, changed_since(since, _compares(spec)))
     sql = (f"WITH __groups AS MATERIALIZED ({groups}), __mem AS ({_members_sql(spec, '__changed', '__groups')}) "
            "SELECT 1 AS what, grp AS id FROM __groups UNION ALL SELECT 2, id FROM __mem")
     t = db._engine.run(state, upto, sql, {"p": spec.prompt} if "$p" in sql else None,
@@ -775,11 +859,9 @@ def refresh_rows(db: Database, spec: ViewSpec, entry: Mapping[str, Any], since: 
                "its condition reads other nodes" if global_condition else "stored before views kept their texts")
         rows, text = build(db, spec, upto)
         return Refresh(f"rebuilt ({why})", text, rows=rows)
-    cols = ["node_ids", *(["group_key"] if "group_key" in SCHEMAS[spec.shape].names else []),
-            *(["node_id"] if spec.paths else [])]
-    # the old rows (a Lance read) load on a thread while DuckDB finds and recomputes the touched groups
+    # the old rows (kept, or a Lance read) load on a thread while DuckDB finds and recomputes the touched groups
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="trellis-refresh") as pool:
-        reading = pool.submit(read_rows, db, entry, cols)
+        reading = pool.submit(stored_provenance, db, entry)
         kept = entry["texts_version"] is not None
         known = pool.submit(texts.known, db, entry) if kept else None
         # the artifacts written since, read ahead (their texts are the new rows' likeliest to lack)
