@@ -312,6 +312,31 @@ def test_a_new_comparison_refreshes_only_views_that_read_comparisons(g: trellisd
     assert ("G", "F") in {(r["chosen_id"], r["rejected_id"]) for r in rows(g, "cmp")}
 
 
+@pytest.mark.parametrize("by_address", [True, False])
+def test_refresh_replaces_rows_with_or_without_lances_delete_by_address(
+    g: trellisdb.Database, monkeypatch: pytest.MonkeyPatch, by_address: bool
+) -> None:
+    """A refresh deletes the rows it replaces by address and appends the new ones in one
+    commit; a Lance without the (internal) delete by address gets a predicate delete and an
+    append. Either way the rows equal a rebuild, in as many versions as expected."""
+    import lance
+    import lance.fragment
+
+    if not by_address:
+        monkeypatch.delattr(lance.fragment.LanceFragment, "delete_rows")
+    g.create_view("v", "preference", reward="reward('score')")
+    g.materialize("v")
+    rng = np.random.default_rng(11)
+    for _ in range(2):
+        before = views.ViewCatalog(g.path).load().entries["v"]["version"]
+        grow(g, rng, 12)
+        e = g.refresh("v")
+        assert "rows replaced" in e["how"] and e["version"] == before + (1 if by_address else 2)
+        spec = views.ViewCatalog(g.path).load().spec("v")
+        assert g.view("v").to_arrow().equals(views.compute(g, spec, e["commit"]))
+        assert lance.dataset(views._uri(g, "v"), version=e["version"]).count_rows() == e["rows"]
+
+
 def test_refresh_when_a_node_leaves_its_group(g: trellisdb.Database) -> None:
     """A re-set prompt moves A to a group no other changed node is in: the group A left is
     known only from the stored rows, and its row is recomputed without A."""

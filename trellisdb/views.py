@@ -281,8 +281,10 @@ def _common(spec: ViewSpec, base: str, restrict: bool) -> list[str]:
     need_reward = spec.kind != "sft" or (spec.threshold is not None and not spec.path)
     members = ""
     if restrict and not spec.paths:
-        members = " AND id IN (SELECT id FROM __members)"
-        base = _restricted(base)
+        restricted = _restricted(base)
+        # a base of a shape _restricted does not know reads every node: keep only the members
+        members = " AND id IN (SELECT id FROM __members)" if restricted == base else ""
+        base = restricted
     # (node_id, name) is the current node_artifacts' key: one join per role, no pivot GROUP BY
     # (a 1M-node preference compute 2.43 -> 2.24 s, grpo 2.82 -> 2.55 s); only the roles the kind names
     roles = _ROLES[spec.kind] if spec.kind in _ROLES else _ROLES[""]
@@ -300,7 +302,8 @@ def _common(spec: ViewSpec, base: str, restrict: bool) -> list[str]:
                     f"WHERE kind IN ({kinds}){only}) e ON e.dst = a.id)")
     else:
         ctes.append("g0 AS (SELECT a.*, a.prompt_hash AS grp FROM a WHERE a.prompt_hash IS NOT NULL)")
-    group_filter = " WHERE grp IN (SELECT grp FROM __dirty_groups)" if restrict else ""
+    # (restricted parent groups come from the dirty groups' edges already)
+    group_filter = " WHERE grp IN (SELECT grp FROM __dirty_groups)" if restrict and spec.group_by != "parent" else ""
     ctes.append(f"g AS (SELECT * FROM g0{group_filter})")
     return ctes
 
@@ -726,14 +729,9 @@ def store_delta(
                                       data_storage_version=texts.TEXTS_FORMAT)
             _prune(tds)
     ds = _restored(_uri(db, spec.name), int(old["version"]))
-    if len(drop):
-        ds.delete(f"{ROW_ID} IN ({', '.join(str(int(r)) for r in drop)})")
     start = int(old["next_row"])
     t = fresh.append_column(ROW_ID, pa.array(np.arange(start, start + fresh.num_rows, dtype=np.int64)))
-    if fresh.num_rows:
-        ds = lance.write_dataset(t.cast(ds.schema), _uri(db, spec.name), mode="append")
-    else:
-        ds = lance.dataset(_uri(db, spec.name))
+    ds = _replace_rows(ds, _uri(db, spec.name), drop, t.cast(ds.schema) if t.num_rows else ds.schema.empty_table())
     merged = len(ds.get_fragments()) > VIEW_FRAGMENTS
     if merged:  # each refresh appends a fragment: merge the small ones (and drop deleted rows) now and then
         ds.optimize.compact_files(target_rows_per_fragment=VIEW_FRAGMENT_ROWS, materialize_deletions=True)
@@ -753,6 +751,34 @@ def store_delta(
     if merged or ds.version % PRUNE_EVERY == 0:  # not on every refresh
         _prune(ds)
     return entry
+
+
+def _replace_rows(ds: Any, uri: str, drop: np.ndarray, add: pa.Table) -> Any:
+    """Delete the rows of ``ds`` whose row id is in ``drop`` and append ``add``, in one
+    commit. The rows are deleted by address, found in one read of the row id column (Lance's
+    predicate delete evaluates an ``IN`` list over every row: 12-20 ms for 1.4k of 408k rows,
+    vs ~5 ms). Lance marks its by-address delete internal: without it, a predicate delete
+    and an append, as before."""
+    import lance
+    import lance.fragment as lf
+
+    if not (hasattr(lf.LanceFragment, "delete_rows") and hasattr(lf, "write_fragments")):
+        if len(drop):
+            ds.delete(f"{ROW_ID} IN ({', '.join(str(int(r)) for r in drop)})")
+        return lance.write_dataset(add, uri, mode="append") if add.num_rows else lance.dataset(uri)
+    updated, removed = [], []
+    if len(drop):
+        ids = ds.to_table(columns=[ROW_ID], with_row_address=True)
+        addrs = ids["_rowaddr"].to_numpy()[np.isin(ids[ROW_ID].to_numpy(), drop)]
+        frags, offsets = addrs >> np.uint64(32), addrs & np.uint64(0xFFFFFFFF)
+        for fid in np.unique(frags):
+            meta = ds.get_fragment(int(fid)).delete_rows(offsets[frags == fid].tolist())
+            (removed.append(int(fid)) if meta is None else updated.append(meta))
+    if not (updated or removed or add.num_rows):
+        return ds
+    new = lf.write_fragments(add, uri, schema=ds.schema) if add.num_rows else []
+    op = lance.LanceOperation.Update(removed_fragment_ids=removed, updated_fragments=updated, new_fragments=new)
+    return lance.LanceDataset.commit(uri, op, read_version=ds.version)
 
 
 def _restored(uri: str, version: int) -> Any:
