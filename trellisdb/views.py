@@ -273,7 +273,7 @@ def check(db: Database, spec: ViewSpec, snapshot: int) -> None:
                               "e.g. reward=\"reward('score')\" (in TQL: WITH reward = reward('score'))")
 
 
-def _common(spec: ViewSpec, base: str, restrict: bool) -> list[str]:
+def _common(spec: ViewSpec, base: str, restrict: bool, group_edges: bool = False) -> list[str]:
     """CTEs every kind starts from: ``a`` (selected nodes with their artifact hashes) and
     ``g`` (their group memberships: one row per (node, parent) or (node, prompt))."""
     kinds = ", ".join(f"'{k}'" for k in spec.via)  # validated names, not user text
@@ -298,8 +298,9 @@ def _common(spec: ViewSpec, base: str, restrict: bool) -> list[str]:
         # restricted: only the edges into members from dirty groups (the DISTINCT over every edge
         # is the largest cost of a small refresh otherwise); the joins below keep no others anyway
         only = " AND dst IN (SELECT id FROM __members) AND src IN (SELECT grp FROM __dirty_groups)" if restrict else ""
-        ctes.append(f"g0 AS (SELECT a.*, e.src AS grp FROM a JOIN (SELECT DISTINCT src, dst FROM edges "
-                    f"WHERE kind IN ({kinds}){only}) e ON e.dst = a.id)")
+        edges = "__group_edges" if restrict and group_edges else f"edges WHERE kind IN ({kinds}){only}"
+        ctes.append(f"g0 AS (SELECT a.*, e.src AS grp FROM a JOIN (SELECT DISTINCT src, dst FROM {edges}) e "
+                    "ON e.dst = a.id)")
     else:
         ctes.append("g0 AS (SELECT a.*, a.prompt_hash AS grp FROM a WHERE a.prompt_hash IS NOT NULL)")
     # (restricted parent groups come from the dirty groups' edges already)
@@ -322,10 +323,11 @@ _GROUP_STATS = (
 )
 
 
-def _sql(spec: ViewSpec, base: str, restrict: bool) -> str:
+def _sql(spec: ViewSpec, base: str, restrict: bool, group_edges: bool = False) -> str:
     """The rows of ``spec``. With ``restrict``, only the groups in ``__dirty_groups`` and
-    the nodes in ``__dirty_nodes`` (``__dirty_leaves`` for stepwise) are computed."""
-    ctes = _common(spec, base, restrict)
+    the nodes in ``__dirty_nodes`` (``__dirty_leaves`` for stepwise) are computed (with
+    ``group_edges``: the parent groups' edges are relation ``__group_edges``)."""
+    ctes = _common(spec, base, restrict, group_edges)
     node_filter = " AND id IN (SELECT id FROM __dirty_nodes)" if restrict else ""
     kinds = ", ".join(f"'{k}'" for k in spec.via)
     thr = "$__threshold"
@@ -453,7 +455,8 @@ def compute(db: Database, spec: ViewSpec, snapshot: int, dirty: Mapping[str, pa.
         return _replay(db, spec, snapshot, base, params)
     # sorted by DuckDB (in parallel, bytewise like Arrow): ~2x cheaper here than an Arrow sort_by of the result
     order = ", ".join(f"{k} ASC NULLS LAST" for k in ROW_KEYS[spec.shape])
-    sql = f"SELECT * FROM ({_sql(spec, base, dirty is not None)}) ORDER BY {order}"
+    given = dirty is not None and "__group_edges" in dirty
+    sql = f"SELECT * FROM ({_sql(spec, base, dirty is not None, given)}) ORDER BY {order}"
     params = {**params, **_params(spec)}
     st = db._log.refresh()
     rows = db._engine.run(st, snapshot, sql, _used(sql, params), relations=dict(dirty) if dirty else None)
@@ -776,7 +779,9 @@ def _replace_rows(ds: Any, uri: str, drop: np.ndarray, add: pa.Table) -> Any:
             (removed.append(int(fid)) if meta is None else updated.append(meta))
     if not (updated or removed or add.num_rows):
         return ds
-    new = lf.write_fragments(add, uri, schema=ds.schema) if add.num_rows else []
+    # in the dataset's own file format (write_fragments would take Lance's default)
+    new = lf.write_fragments(add, uri, schema=ds.schema, data_storage_version=ds.data_storage_version) \
+        if add.num_rows else []
     op = lance.LanceOperation.Update(removed_fragment_ids=removed, updated_fragments=updated, new_fragments=new)
     return lance.LanceDataset.commit(uri, op, read_version=ds.version)
 
@@ -823,12 +828,15 @@ def _compares(spec: ViewSpec) -> bool:
     return spec.kind == "preference" and "comparisons" in spec.pairs_from
 
 
-def _members_sql(spec: ViewSpec, nodes: str, groups: str) -> str:
+def _members_sql(spec: ViewSpec, nodes: str, groups: str, edges: str | None = None) -> str:
     """SQL for the nodes a restricted compute reads: the members of the groups in relation
-    ``groups`` (column ``grp``), the nodes in ``nodes`` (column ``id``) and, for a view that
-    reads comparisons, the other side of theirs."""
+    ``groups`` (column ``grp``; ``edges``: a relation of their edges ``(src, dst)``), the
+    nodes in ``nodes`` (column ``id``) and, for a view that reads comparisons, the other side
+    of theirs."""
     kinds = ", ".join(f"'{k}'" for k in spec.via)
-    if spec.group_by == "parent":
+    if edges is not None:
+        grp_members = f"SELECT dst AS id FROM {edges}"
+    elif spec.group_by == "parent":
         grp_members = f"SELECT dst AS id FROM edges WHERE kind IN ({kinds}) AND src IN (SELECT grp FROM {groups})"
     else:
         grp_members = f"SELECT node_id AS id FROM node_artifacts WHERE name = $p AND hash IN (SELECT grp FROM {groups})"
@@ -837,10 +845,11 @@ def _members_sql(spec: ViewSpec, nodes: str, groups: str) -> str:
     return f"{grp_members} UNION SELECT id FROM {nodes}{partners}"
 
 
-def _dirty(db: Database, spec: ViewSpec, since: int, upto: int) -> tuple[pa.Array, pa.Array, pa.Array]:
+def _dirty(db: Database, spec: ViewSpec, since: int, upto: int) -> tuple[pa.Array, pa.Array, pa.Array, pa.Table | None]:
     """The nodes the commits in ``(since, upto]`` touched, then in one statement the groups
-    they are in now (the old rows name the groups they were in) and what a restricted compute
-    of those groups reads (``_members_sql``)."""
+    they are in now (the old rows name the groups they were in), what a restricted compute
+    of those groups reads (``_members_sql``) and, for parent groups, those groups' edges
+    ``(src, dst)`` (else None), which the compute then joins rather than scan the edges again."""
     kinds = ", ".join(f"'{k}'" for k in spec.via)
     if spec.group_by == "parent":
         groups = (f"SELECT DISTINCT src AS grp FROM edges WHERE kind IN ({kinds}) "
@@ -852,14 +861,25 @@ def _dirty(db: Database, spec: ViewSpec, since: int, upto: int) -> tuple[pa.Arra
     # the touched nodes first, on their own: as a CTE DuckDB guessed them at millions of rows and
     # built its hash tables on the edges (0.17 s at 1M nodes; 0.07 s in two statements)
     changed = db._engine.run(state, upto, changed_since(since, _compares(spec)))
-    sql = (f"WITH __groups AS MATERIALIZED ({groups}), __mem AS ({_members_sql(spec, '__changed', '__groups')}) "
-           "SELECT 1 AS what, grp AS id FROM __groups UNION ALL SELECT 2, id FROM __mem")
+    if spec.group_by == "parent":  # the members are the groups' edges' ends (what = 3), and those below
+        edges = (f"__ge AS MATERIALIZED (SELECT DISTINCT src, dst FROM edges WHERE kind IN ({kinds}) "
+                 "AND src IN (SELECT grp FROM __groups)), ")
+        mem = _members_sql(spec, "__changed", "__groups", "__ge")
+        tail = " UNION ALL SELECT 3, src, dst FROM __ge"
+    else:
+        edges, mem, tail = "", _members_sql(spec, "__changed", "__groups"), ""
+    sql = (f"WITH __groups AS MATERIALIZED ({groups}), {edges}__mem AS ({mem}) "
+           f"SELECT 1 AS what, grp AS id, NULL::VARCHAR AS dst FROM __groups UNION ALL SELECT 2, id, NULL FROM __mem{tail}")
     t = db._engine.run(state, upto, sql, {"p": spec.prompt} if "$p" in sql else None,
                        relations={"__changed": changed})
-    what = t["what"].combine_chunks().to_numpy()
+    what = pa.array(t["what"].combine_chunks().to_numpy())
     ids = t["id"].combine_chunks().cast(_S)
-    groups_now, members = (ids.filter(pa.array(what == k)) for k in (1, 2))
-    return changed["id"].combine_chunks().cast(_S), groups_now, members
+    groups_now, members = (ids.filter(pc.equal(what, k)) for k in (1, 2))
+    group_edges = None
+    if spec.group_by == "parent":
+        on = pc.equal(what, 3)
+        group_edges = pa.table({"src": ids.filter(on), "dst": t["dst"].combine_chunks().cast(_S).filter(on)})
+    return changed["id"].combine_chunks().cast(_S), groups_now, members, group_edges
 
 
 @dataclass
@@ -892,7 +912,7 @@ def refresh_rows(db: Database, spec: ViewSpec, entry: Mapping[str, Any], since: 
         known = pool.submit(texts.known, db, entry) if kept else None
         # the artifacts written since, read ahead (their texts are the new rows' likeliest to lack)
         ahead = pool.submit(texts.written_since, db, since, upto) if kept else None
-        ids, groups, members = _dirty(db, spec, since, upto)
+        ids, groups, members, group_edges = _dirty(db, spec, since, upto)
         if len(ids) == 0:
             reading.cancel()
             for f in (known, ahead):
@@ -905,7 +925,7 @@ def refresh_rows(db: Database, spec: ViewSpec, entry: Mapping[str, Any], since: 
         rel = {"__changed": pa.table({"id": ids})}
         fresh: pa.Table | None = None
         if not spec.paths:  # recompute now; redone below if the old rows name more groups
-            fresh = _recompute(db, spec, upto, ids, groups, members=members)
+            fresh = _recompute(db, spec, upto, ids, groups, members=members, edges=group_edges)
         old, touched = reading.result(), touching.result()
         have = None if known is None else known.result()
         new = None if ahead is None else ahead.result()
@@ -915,7 +935,7 @@ def refresh_rows(db: Database, spec: ViewSpec, entry: Mapping[str, Any], since: 
         extra = pc.filter(before, pc.invert(pc.is_in(before, value_set=groups)))
         if len(extra):  # groups a touched node has left: they change too
             groups = pc.unique(pa.concat_arrays([groups, extra]))
-            fresh = members = None
+            fresh = members = group_edges = None
         touched = pc.or_(touched, pc.fill_null(pc.is_in(old["group_key"], value_set=groups), False))
     if spec.paths:
         # trajectories through a touched node: their leaves, old and new (descendants of the touched)
@@ -931,7 +951,7 @@ def refresh_rows(db: Database, spec: ViewSpec, entry: Mapping[str, Any], since: 
         dirty_leaves = pc.unique(pa.concat_arrays([leaves, old_leaves]))
         touched = pc.or_(touched, pc.is_in(old["node_id"], value_set=dirty_leaves))
     if fresh is None:
-        fresh = _recompute(db, spec, upto, ids, groups, dirty_leaves, members)
+        fresh = _recompute(db, spec, upto, ids, groups, dirty_leaves, members, group_edges)
     drop = old[ROW_ID].filter(touched).to_numpy()
     text = None
     if have is not None:
@@ -941,13 +961,17 @@ def refresh_rows(db: Database, spec: ViewSpec, entry: Mapping[str, Any], since: 
 
 
 def _recompute(db: Database, spec: ViewSpec, upto: int, ids: pa.Array, groups: pa.Array,
-               leaves: pa.Array | None = None, members: pa.Array | None = None) -> pa.Table:
+               leaves: pa.Array | None = None, members: pa.Array | None = None,
+               edges: pa.Table | None = None) -> pa.Table:
     """The rows of the dirty groups and nodes (``leaves``: stepwise's dirty trajectories),
     computed over the nodes they can read (``members``, found here when not given): the
-    touched, the members of the touched groups, and the other side of their comparisons."""
+    touched, the members of the touched groups, and the other side of their comparisons
+    (``edges``: the dirty parent groups' edges, as ``_dirty`` found them with ``members``)."""
     dirty: dict[str, pa.Table] = {"__dirty_nodes": pa.table({"id": ids}), "__dirty_groups": pa.table({"grp": groups})}
     if leaves is not None:
         dirty["__dirty_leaves"] = pa.table({"id": leaves})
+    if edges is not None and members is not None:
+        dirty["__group_edges"] = edges
     if members is None:
         sql = _members_sql(spec, "__dirty_nodes", "__dirty_groups")
         members = db._engine.run(db._log.refresh(), upto, sql, {"p": spec.prompt} if "$p" in sql else None,
