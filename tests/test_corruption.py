@@ -68,7 +68,7 @@ def test_torn_log_tail_is_ignored_and_repaired(tmp_path: Path) -> None:
     before = trellisdb.connect(tmp_path / "db").log()
     with log.open("ab") as fh:
         fh.write(b'{"op":"commit","id":99')  # a crash mid-append
-    db2 = trellisdb.connect(tmp_path / "db")
+    db2 = trellisdb.connect(tmp_path / "db", commit_delay=60.0)  # one commit, at the session's end
     assert db2.log() == before
     assert db2.verify() == []
     with db2.session(task="t", agent="a") as s:

@@ -173,7 +173,9 @@ def test_as_of_timestamp_before_first_and_after_last(db: trellisdb.Database, his
 
 
 def test_as_of_a_commits_own_timestamp_is_that_commit(tmp_path: Path) -> None:
-    db = trellisdb.connect(tmp_path / "own", embedding_dim=4)
+    # commits only at the explicit flushes: with the default 50 ms group-commit delay, a slow
+    # machine committed the session row on its own before the first node (16 commits, not 15)
+    db = trellisdb.connect(tmp_path / "own", embedding_dim=4, commit_delay=60.0)
     try:
         _check_own_timestamps(db)
     finally:
