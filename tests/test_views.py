@@ -313,6 +313,30 @@ def test_a_view_past_the_kept_limit_is_refreshed_from_disk(
         assert g.view("v").to_arrow().equals(views.compute(g, spec, e["commit"]))
 
 
+def test_a_refresh_that_would_replace_rows_not_stored_changes_nothing(g: trellisdb.Database) -> None:
+    """Kept provenance that names a row the view does not store (it cannot happen unless
+    something is badly wrong) stops the refresh before it writes: a clear error, the view as
+    it was, and a materialize recomputes it."""
+    g.create_view("v", "grpo", reward="reward('score')")
+    g.materialize("v")
+    before = g.view("v").to_arrow()
+    entry = views.ViewCatalog(g.path).load().entries["v"]
+    kept = views._KEPT[g]["v"]
+    t = kept.table()
+    ghost = pa.table({"node_ids": pa.array([["A"]], pa.list_(pa.string())), "group_key": ["R"],
+                      views.ROW_ID: pa.array([10_000], pa.int64())}).cast(t.schema)
+    views._KEPT[g]["v"] = views._Kept(kept.tag, pa.concat_tables([t, ghost]))
+    with g.transaction():
+        g.resume("s1").add_reward("A", "score", 0.2)
+    with pytest.raises(trellisdb.CorruptionError, match=r"run db\.materialize"):
+        g.refresh("v")
+    assert views.ViewCatalog(g.path).load().entries["v"] == entry
+    assert g.view("v").to_arrow().equals(before)
+    g.materialize("v")
+    spec = views.ViewCatalog(g.path).load().spec("v")
+    assert g.view("v").to_arrow().equals(views.compute(g, spec, g.log()[-1]["id"]))
+
+
 def test_a_new_comparison_refreshes_only_views_that_read_comparisons(g: trellisdb.Database) -> None:
     g.create_view("gr", "grpo", reward="reward('score')")
     g.create_view("sib", "preference", reward="reward('score')", pairs_from=["siblings"])

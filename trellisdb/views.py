@@ -72,7 +72,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from trellisdb import texts
-from trellisdb.errors import QueryError, TrellisError, ValidationError
+from trellisdb.errors import CorruptionError, QueryError, TrellisError, ValidationError
 
 if TYPE_CHECKING:
     from trellisdb.database import Database
@@ -773,6 +773,10 @@ def _replace_rows(ds: Any, uri: str, drop: np.ndarray, add: pa.Table) -> Any:
     if len(drop):
         ids = ds.to_table(columns=[ROW_ID], with_row_address=True)
         addrs = ids["_rowaddr"].to_numpy()[np.isin(ids[ROW_ID].to_numpy(), drop)]
+        if len(addrs) != len(np.unique(drop)):  # before anything is written: the stored rows stay as they are
+            raise CorruptionError(
+                f"view rows {uri} hold {len(addrs)} of the {len(np.unique(drop))} rows a refresh replaces; "
+                "run db.materialize(name) to recompute the view")
         frags, offsets = addrs >> np.uint64(32), addrs & np.uint64(0xFFFFFFFF)
         for fid in np.unique(frags):
             meta = ds.get_fragment(int(fid)).delete_rows(offsets[frags == fid].tolist())
