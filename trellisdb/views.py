@@ -865,7 +865,7 @@ def _dirty(db: Database, spec: ViewSpec, since: int, upto: int) -> tuple[pa.Arra
     # the touched nodes first, on their own: as a CTE DuckDB guessed them at millions of rows and
     # built its hash tables on the edges (0.17 s at 1M nodes; 0.07 s in two statements)
     changed = db._engine.run(state, upto, changed_since(since, _compares(spec)))
-    if spec.group_by == "parent":  # the members are the groups' edges' ends (what = 3), and those below
+    if spec.group_by == "parent":  # the groups' edges come back too (what = 3): the members are their ends
         edges = (f"__ge AS MATERIALIZED (SELECT DISTINCT src, dst FROM edges WHERE kind IN ({kinds}) "
                  "AND src IN (SELECT grp FROM __groups)), ")
         mem = _members_sql(spec, "__changed", "__groups", "__ge")
