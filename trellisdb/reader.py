@@ -179,8 +179,8 @@ class SqlEngine:
         self._broken: set[str] = set()
         #: per mirrored table: fragments up to this id are fully mirrored
         self._mark: dict[str, int] = {}
-        #: per table: the first commit that superseded a version (absent: none yet)
-        self._sup_min: dict[str, int] = {}
+        #: tables where some commit superseded a version (their current views take the anti-join)
+        self._superseded: set[str] = set()
         #: the edges as adjacency arrays (built by the first walk) and the lock its extension holds
         self._adj: Adjacency | None = None
         self._adj_lock = threading.Lock()
@@ -229,7 +229,7 @@ class SqlEngine:
             # tables where some version is superseded (at any commit: the join filters by the snapshot):
             # only their views need the anti-join, and the views stay as they are when queries move
             # between snapshots (re-creating them cost ~10 ms a switch)
-            superseded = frozenset(self._sup_min)
+            superseded = frozenset(self._superseded)
         # The views read the snapshot from a connection variable, so they are
         # re-created only when what they are made of changes, not per snapshot.
         if getattr(self._local, "snapshot", None) != snapshot:
@@ -324,7 +324,7 @@ class SqlEngine:
                 new = [f for f in frags if f.fragment_id > mark]
                 mark = max((f.fragment_id for f in frags), default=mark)
                 if not new and done is not None:  # nothing was written to this table: no SQL at all
-                    self._advance(name, snapshot, top, mark, None)
+                    self._advance(name, snapshot, top, mark, False)
                     continue
             todo.append((name, done, new, mark))
         if not todo:
@@ -336,26 +336,27 @@ class SqlEngine:
         # here); should one table fail, redo them one by one to isolate it.
         try:
             con.execute("BEGIN")
-            lows = [self._refresh_table(con, name, done, new, snapshot, aborted) for name, done, new, _ in todo]
+            outcomes: list[bool | None] = [
+                self._refresh_table(con, name, done, new, snapshot, aborted) for name, done, new, _ in todo]
             con.execute("COMMIT")
         except (duckdb.Error, OSError, ValueError, RuntimeError):
             con.execute("ROLLBACK")
-            lows = []
+            outcomes = []  # None: the table failed
             for name, done, new, _mark in todo:
                 try:
                     con.execute("BEGIN")
-                    lows.append(self._refresh_table(con, name, done, new, snapshot, aborted))
+                    outcomes.append(self._refresh_table(con, name, done, new, snapshot, aborted))
                     con.execute("COMMIT")
                 except (duckdb.Error, OSError, ValueError, RuntimeError):
                     con.execute("ROLLBACK")
                     # A damaged table: leave it to the query that reads it, which
                     # reports it as corruption; other tables stay readable.
                     self._broken.add(name)
-                    lows.append(False)
-        for (name, _done, _new, mark), low in zip(todo, lows, strict=True):
-            if low is not False:
+                    outcomes.append(None)
+        for (name, _done, _new, mark), superseded in zip(todo, outcomes, strict=True):
+            if superseded is not None:
                 self._broken.discard(name)
-                self._advance(name, snapshot, top, mark, low)
+                self._advance(name, snapshot, top, mark, superseded)
         for name in first:
             if name not in self._broken:
                 self._index(con, name)
@@ -372,19 +373,19 @@ class SqlEngine:
             # the current view's anti-join probes superseded versions by key
             con.execute(f"CREATE INDEX IF NOT EXISTS __ix_sup_{name} ON __sup_{name}({KEYS[name][0]})")
 
-    def _advance(self, name: str, snapshot: int, top: int, mark: int, low: int | None) -> None:
+    def _advance(self, name: str, snapshot: int, top: int, mark: int, superseded: bool) -> None:
         self._upto[name] = snapshot
-        if low is not None:
-            self._sup_min[name] = min(low, self._sup_min.get(name, low))
+        if superseded:
+            self._superseded.add(name)
         if name in self.mirrored and top <= snapshot:
             self._mark[name] = mark
 
     def _refresh_table(
         self, con: duckdb.DuckDBPyConnection, name: str, done: int | None, new: list[Any], snapshot: int,
         aborted: list[int],
-    ) -> int | None:
+    ) -> bool:
         """Mirror the new rows of ``name`` and extend ``__sup_<name>``; returns
-        the lowest ``by_commit`` added (None: none)."""
+        whether any version was found superseded."""
         keys = ", ".join(KEYS[name])
         mirrored = name in self.mirrored
         if done is None:
@@ -397,13 +398,10 @@ class SqlEngine:
             done = 0
         copied = mirrored and self._mirror_new(con, name, new, done, snapshot, aborted)
         if mirrored and not copied:
-            return None  # no new rows: nothing superseded either
+            return False  # no new rows: nothing superseded either
         source = f"__mir_{name}" if mirrored else f"__lance_{name}"
         row = con.execute(_superseded_since(name, source, done, snapshot, aborted)).fetchone()
-        if not row or not row[0]:
-            return None
-        low = con.execute(f"SELECT min(by_commit) FROM __sup_{name} WHERE by_commit > {int(done)}").fetchone()
-        return int(low[0]) if low and low[0] is not None else None
+        return bool(row and row[0])
 
     @staticmethod
     def _indexed(con: duckdb.DuckDBPyConnection, name: str) -> bool:
