@@ -209,3 +209,48 @@ def test_a_stream_is_gathered_into_tables_of_about_n_rows() -> None:
     assert pa.concat_tables(parts)["x"].to_pylist() == list(range(50))
     by_bytes = list(gathered(iter(batches), 2 * batches[0].nbytes, lambda b: b.nbytes))
     assert [p.num_rows for p in by_bytes] == [20, 20, 10]
+
+
+def _setting(db: trellisdb.Database, name: str) -> int:
+    from trellisdb.reader import size_bytes
+
+    value = db.sql(f"SELECT current_setting('{name}') AS v").to_pylist()[0]["v"]
+    got = size_bytes(str(value))
+    assert got is not None, value
+    return got
+
+
+def test_keep_memory_sets_what_duckdb_keeps_mapped(tmp_path: Path) -> None:
+    from trellisdb.reader import KEEP_MEMORY_SHARE
+
+    db = trellisdb.connect(tmp_path / "db")
+    # default: a share of DuckDB's memory limit (its printed values are rounded to 0.1 of a unit)
+    limit, kept = _setting(db, "memory_limit"), _setting(db, "block_allocator_memory")
+    assert db._engine.kept_memory > 0
+    assert kept == pytest.approx(limit * KEEP_MEMORY_SHARE, rel=0.02)
+    assert kept == pytest.approx(db._engine.kept_memory, rel=0.02)
+    db.close()
+    db = trellisdb.connect(tmp_path / "db", keep_memory=0)
+    assert db._engine.kept_memory == 0 and _setting(db, "block_allocator_memory") == 0
+    db.close()
+    db = trellisdb.connect(tmp_path / "db", keep_memory=1 << 30)
+    assert db._engine.kept_memory == 1 << 30 and _setting(db, "block_allocator_memory") == 1 << 30
+    db.close()
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, True, "4GB", 1 << 62])
+def test_keep_memory_rejects_what_is_not_a_byte_count_it_can_keep(tmp_path: Path, bad: Any) -> None:
+    trellisdb.connect(tmp_path / "db").close()
+    with pytest.raises(trellisdb.ValidationError, match="keep_memory"):
+        trellisdb.connect(tmp_path / "db", keep_memory=bad)
+
+
+def test_size_bytes_reads_duckdbs_sizes() -> None:
+    from trellisdb.reader import size_bytes
+
+    assert size_bytes("18.8 GiB") == int(18.8 * 2**30)
+    assert size_bytes("0 bytes") == 0
+    assert size_bytes("134217728B") == 134217728
+    assert size_bytes("97.6 KiB") == int(97.6 * 1024)
+    assert size_bytes("2 GB") == 2 * 10**9
+    assert size_bytes("lots") is None

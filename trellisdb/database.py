@@ -87,6 +87,7 @@ def connect(
     create: bool = True,
     mirror: bool = True,
     auto_index: bool = True,
+    keep_memory: int | None = None,
 ) -> Database:
     """Open the database in folder ``path``, creating it if needed.
 
@@ -109,6 +110,14 @@ def connect(
     past ``trellisdb.vectors.INDEX_MIN_ROWS`` vectors starts building its ANN
     index on a background thread (and later commits refresh it); see
     :meth:`Database.index_status`.
+
+    ``keep_memory`` bounds the bytes of memory DuckDB keeps mapped once it
+    has used them, rather than hand them back to the operating system after
+    each query and fault them in again for the next (default None: half of
+    DuckDB's memory limit; 0: hand everything back). Up to that bound the
+    process keeps its peak query memory until :meth:`Database.close`; a
+    query right after a large one (a refresh after a materialization) runs
+    up to 2x faster for it.
     """
     return Database(
         os.fspath(path),
@@ -120,6 +129,7 @@ def connect(
         create=create,
         mirror=mirror,
         auto_index=auto_index,
+        keep_memory=keep_memory,
     )
 
 
@@ -168,7 +178,11 @@ class Database:
         create: bool,
         mirror: bool = True,
         auto_index: bool = True,
+        keep_memory: int | None = None,
     ) -> None:
+        if keep_memory is not None and (isinstance(keep_memory, bool) or not isinstance(keep_memory, int)
+                                        or keep_memory < 0):
+            raise ValidationError(f"keep_memory must be a number of bytes >= 0 (or None), not {keep_memory!r}")
         self.path = path
         self.commit_delay = commit_delay
         self.max_batch_rows = max_batch_rows
@@ -216,7 +230,8 @@ class Database:
         self._log = commit_log.CommitLog(os.path.join(path, "commits.log"))
         self._log.refresh()
         self._tables = LanceTables(os.path.join(path, "tables"))
-        self._engine = SqlEngine(self._tables, lambda: self._log.refresh().max_id, mirror=mirror)
+        self._engine = SqlEngine(self._tables, lambda: self._log.refresh().max_id, mirror=mirror,
+                                 keep_memory=keep_memory)
         self._writer_name = f"{socket.gethostname()}:{os.getpid()}"
         self._state_lock = threading.RLock()
         self._pending = Batch()
