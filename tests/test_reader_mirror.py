@@ -254,3 +254,16 @@ def test_size_bytes_reads_duckdbs_sizes() -> None:
     assert size_bytes("97.6 KiB") == int(97.6 * 1024)
     assert size_bytes("2 GB") == 2 * 10**9
     assert size_bytes("lots") is None
+
+
+def test_keep_memory_defaults_to_none_under_strict_overcommit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # DuckDB reserves the bound up front, which strict accounting would charge to the process
+    from trellisdb import reader
+
+    monkeypatch.setattr(reader, "_strict_overcommit", lambda: True)
+    db = trellisdb.connect(tmp_path / "db")
+    assert db._engine.kept_memory == 0 and _setting(db, "block_allocator_memory") == 0
+    db.close()
+    db = trellisdb.connect(tmp_path / "db", keep_memory=1 << 28)  # asked for: kept all the same
+    assert db._engine.kept_memory == 1 << 28
+    db.close()

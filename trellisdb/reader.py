@@ -58,6 +58,15 @@ def size_bytes(text: str) -> int | None:
     return int(float(m.group(1)) * _UNITS[m.group(2)]) if m else None
 
 
+def _strict_overcommit() -> bool:
+    """Whether the kernel accounts every reserved page against a commit limit (Linux mode 2)."""
+    try:
+        with open("/proc/sys/vm/overcommit_memory") as fh:
+            return fh.read().strip() == "2"
+    except OSError:
+        return False
+
+
 #: The snapshot as the views read it: a connection variable, set per query.
 SNAPSHOT = "getvariable('trellis_snapshot')"
 
@@ -219,7 +228,9 @@ class SqlEngine:
         asked = keep is not None
         if keep is None:
             limit = size_bytes(str(self._db.sql("SELECT current_setting('memory_limit')").fetchall()[0][0]))
-            keep = int(limit * KEEP_MEMORY_SHARE) if limit else 0
+            # DuckDB reserves the bound up front: under strict overcommit accounting that
+            # reservation would count against every other allocation of the process
+            keep = int(limit * KEEP_MEMORY_SHARE) if limit and not _strict_overcommit() else 0
         if keep <= 0:
             return 0
         try:
