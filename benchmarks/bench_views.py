@@ -139,7 +139,9 @@ def main(argv: list[str] | None = None) -> int:
     os.makedirs(pdir)
     for t in ("nodes", "edges", "rewards", "node_artifacts"):
         pq.write_table(db.sql(f"SELECT * FROM {t}").to_arrow(), os.path.join(pdir, f"{t}.parquet"))
-    con = duckdb.connect()
+    # the hand SQL's DuckDB keeps its memory as the store's does (connect(keep_memory=...)):
+    # the same engine with the same allocator setting
+    con = duckdb.connect(config={"block_allocator_memory": f"{db._engine.kept_memory} bytes"})
     # the artifacts' texts, for the end-to-end baseline (figure 2b)
     pq.write_table(db.sql("SELECT hash, decode(content) AS text FROM artifacts_full").to_arrow(),
                    os.path.join(pdir, "artifacts.parquet"))
