@@ -87,11 +87,8 @@ def build_store(work: str, g: ExperienceGraph, chunk: int) -> tuple[trellisdb.Da
     return db, {n: os.path.join(pdir, f"{n}.parquet") for n in writers}, first_commit
 
 
-def hand_sql(pq_paths: dict[str, str], keep: int = 0) -> tuple[duckdb.DuckDBPyConnection, dict[str, str]]:
-    """The baseline's DuckDB over the Parquet copies; it keeps ``keep`` bytes of memory mapped,
-    as the store's does (``connect(keep_memory=...)``): the same engine with the same setting."""
-    con = duckdb.connect(config={"autoinstall_known_extensions": False, "autoload_known_extensions": False,
-                                 "block_allocator_memory": f"{keep} bytes"})
+def hand_sql(pq_paths: dict[str, str]) -> tuple[duckdb.DuckDBPyConnection, dict[str, str]]:
+    con = duckdb.connect(config={"autoinstall_known_extensions": False, "autoload_known_extensions": False})
     for n, p in pq_paths.items():
         con.execute(f"CREATE VIEW {n} AS SELECT * FROM read_parquet('{p}')")
     return con, {
@@ -181,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     cold_ms = (time.perf_counter() - t0) * 1e3
     mem = db._engine._db.execute("SELECT sum(memory_usage_bytes) FROM duckdb_memory()").fetchone()
     mirror_mb = (mem[0] if mem and mem[0] else 0) / 2**20
-    con, hand = hand_sql(pq_paths, db._engine.kept_memory)
+    con, hand = hand_sql(pq_paths)
     # a deep node (the last node of the first session) for lineage; the first session for scoped queries
     sess = db.sql("SELECT id FROM sessions ORDER BY id LIMIT 1").to_pylist()[0]["id"]
     deep = db.sql("SELECT id FROM nodes WHERE session_id = $1 ORDER BY step DESC LIMIT 1", params=[sess]).to_pylist()[0]["id"]

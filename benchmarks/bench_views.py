@@ -139,14 +139,16 @@ def main(argv: list[str] | None = None) -> int:
     os.makedirs(pdir)
     for t in ("nodes", "edges", "rewards", "node_artifacts"):
         pq.write_table(db.sql(f"SELECT * FROM {t}").to_arrow(), os.path.join(pdir, f"{t}.parquet"))
-    # the hand SQL's DuckDB keeps its memory as the store's does (connect(keep_memory=...)):
-    # the same engine with the same allocator setting
-    con = duckdb.connect(config={"block_allocator_memory": f"{db._engine.kept_memory} bytes"})
+    # the hand SQL on a stock DuckDB; and on one that keeps its memory as the store's does
+    # (connect(keep_memory=...)): the same engine with the same allocator setting (reported)
+    con = duckdb.connect()
+    kept_con = duckdb.connect(config={"block_allocator_memory": f"{db._engine.kept_memory} bytes"})
     # the artifacts' texts, for the end-to-end baseline (figure 2b)
     pq.write_table(db.sql("SELECT hash, decode(content) AS text FROM artifacts_full").to_arrow(),
                    os.path.join(pdir, "artifacts.parquet"))
     for t in ("nodes", "edges", "rewards", "node_artifacts", "artifacts"):
-        con.execute(f"CREATE VIEW {t} AS SELECT * FROM read_parquet('{os.path.join(pdir, t)}.parquet')")
+        for c in (con, kept_con):
+            c.execute(f"CREATE VIEW {t} AS SELECT * FROM read_parquet('{os.path.join(pdir, t)}.parquet')")
     res: dict[str, Any] = {"nodes": first, "later": g.n_nodes - first}
     rows: list[dict[str, Any]] = []
 
@@ -156,13 +158,14 @@ def main(argv: list[str] | None = None) -> int:
         log(f"1. materialize {kind}")
         target = os.path.join(args.work, f"hand_{kind}.parquet")
 
-        def hand(q: str, out: str = target) -> pa.Table:
-            t = con.sql(q).to_arrow_table()
+        def hand(q: str, out: str = target, c: duckdb.DuckDBPyConnection = con) -> pa.Table:
+            t = c.sql(q).to_arrow_table()
             pq.write_table(t, out)
             return t
 
-        (ours, entry), (base, t), (full, tt) = alternating(
-            reps, lambda n=name: db.materialize(n), lambda k=kind: hand(HAND[k]), lambda k=kind: hand(with_texts(k)))
+        (ours, entry), (base, t), (full, tt), (kept_full, _) = alternating(
+            reps, lambda n=name: db.materialize(n), lambda k=kind: hand(HAND[k]), lambda k=kind: hand(with_texts(k)),
+            lambda k=kind: hand(with_texts(k), c=kept_con))
         mine = db.view(name).to_arrow()
         keys = views.ROW_KEYS[kind]
         same = t.num_rows == mine.num_rows and t.select(list(keys)).sort_by([(k, "ascending") for k in keys]).equals(
@@ -174,6 +177,8 @@ def main(argv: list[str] | None = None) -> int:
                      "target": "<= 1.3"})
         rows.append({"measure": f"materialize {kind} vs hand SQL, hashes only (no texts)",
                      "mine_s": ours, "base_s": base, "ratio": ours / base, "target": "(reported)"})
+        rows.append({"measure": f"materialize {kind} vs hand SQL + texts on a DuckDB keeping its memory likewise",
+                     "mine_s": ours, "base_s": kept_full, "ratio": ours / kept_full, "target": "(reported)"})
 
     log("2. export")
     out = os.path.join(args.work, "export")
