@@ -115,10 +115,9 @@ def connect(
     has used them, rather than hand them back to the operating system after
     each query and fault them in again for the next (default None: half of
     DuckDB's memory limit, none under Linux's strict overcommit accounting;
-    0: hand everything back). Up to that bound the
-    process keeps its peak query memory until :meth:`Database.close`; a
-    query right after a large one (a refresh after a materialization) runs
-    up to 2x faster for it.
+    0: hand everything back). Up to that bound the process keeps its peak
+    query memory until :meth:`Database.close`; a query right after a large
+    one (a refresh after a materialization) runs up to 2x faster for it.
     """
     return Database(
         os.fspath(path),
