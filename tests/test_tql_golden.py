@@ -61,3 +61,9 @@ def test_there_are_fixtures() -> None:
 def test_golden_queries_run(case: Path, g: trellisdb.Database) -> None:
     """Every fixture finds something on the hand-built graph (its rows are asserted in test_tql_exec)."""
     assert len(g.query(case.read_text())) > 0
+
+
+def test_the_flat_chain_fixture_keeps_and_before_or(g: trellisdb.Database) -> None:
+    """Its SQL is one flat AND with a flat OR inside; the rows prove the grouping held."""
+    rows = g.query((HERE / "select_flat_chain.tql").read_text()).to_pylist()
+    assert [r["id"] for r in rows] == ["a", "b", "c", "e"]

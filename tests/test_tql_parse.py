@@ -44,13 +44,13 @@ def test_literals_comments_and_spans() -> None:
     q = parse("NODES -- a comment\nWHERE summary = 'it''s' AND step >= -2 AND x < 1.5e3")
     assert isinstance(q.statement, A.Select)
     w = q.statement.where
-    assert isinstance(w, A.Binary) and w.op == "AND"
+    assert isinstance(w, A.BoolOp) and w.op == "AND" and len(w.operands) == 3  # one flat chain
     lits = []
 
     def walk(e: object) -> None:
         if isinstance(e, A.Literal):
             lits.append(e.value)
-        for v in getattr(e, "__dict__", {}).values():
+        for v in e if isinstance(e, tuple) else getattr(e, "__dict__", {}).values():
             walk(v)
 
     walk(w)
@@ -95,3 +95,22 @@ def test_empty_huge_and_non_string_queries() -> None:
     assert parse("NODES WHERE " + "(" * 3000 + "1" + ")" * 3000).statement.where == A.Literal(1, A.Span(3012, 3013, 1, 3013))
     with pytest.raises(trellisdb.QuerySyntaxError, match="nests too deeply"):
         parse("NODES WHERE " + "NOT " * 5000 + "TRUE")
+
+
+def test_and_or_chains_are_one_flat_node_each_and_keep_precedence() -> None:
+    w = parse("NODES WHERE a = 1 OR b = 2 AND c = 3 AND NOT d = 4 OR (e = 5 OR f = 6)").statement.where
+    assert isinstance(w, A.BoolOp) and w.op == "OR" and len(w.operands) == 3
+    assert isinstance(w.operands[1], A.BoolOp) and w.operands[1].op == "AND" and len(w.operands[1].operands) == 3
+    assert isinstance(w.operands[1].operands[2], A.Not)
+    assert isinstance(w.operands[2], A.BoolOp) and w.operands[2].op == "OR"  # parentheses stay a group
+    assert w.span.start == 12 and w.span.end == 70
+    assert str(w) == "((a = 1) OR ((b = 2) AND (c = 3) AND NOT (d = 4)) OR ((e = 5) OR (f = 6)))"
+    with pytest.raises(trellisdb.QueryError, match="at least two operands"):
+        A.BoolOp("AND", (A.Column("a"),))
+    with pytest.raises(trellisdb.QueryError, match="use Binary"):
+        A.BoolOp("+", (A.Column("a"), A.Column("b")))
+
+
+def test_mistakes_found_while_building_the_ast_keep_their_own_message() -> None:
+    with pytest.raises(trellisdb.QuerySyntaxError, match=r"^RETRIEVE takes at most one SIMILAR TO"):
+        parse("RETRIEVE 3 SIMILAR TO 'a' SIMILAR TO 'b'")

@@ -18,7 +18,7 @@ from typing import Any
 
 from lark import Token, Transformer, v_args
 
-from trellisdb.errors import QuerySyntaxError
+from trellisdb.errors import QueryError, QuerySyntaxError
 
 
 @dataclass(frozen=True)
@@ -68,12 +68,46 @@ class Neg:
 
 @dataclass(frozen=True)
 class Binary:
-    """Arithmetic (``+ - * / %``), comparison (``= != < <= > >=``) or logic (``AND OR``)."""
+    """Arithmetic (``+ - * / %``) or comparison (``= != < <= > >=``). The parser builds
+    :class:`BoolOp` for AND / OR; a two-sided ``Binary("AND", ...)`` is still understood."""
 
     op: str
     left: Expr
     right: Expr
     span: Span = NO_SPAN
+
+
+@dataclass(frozen=True)
+class BoolOp:
+    """``a AND b AND c`` (or OR): one node over all the operands of a flat chain.
+
+    A chain of thousands of terms is as shallow as one of two, so no stage
+    recurses along it; parentheses the query writes are kept as nested nodes.
+
+    >>> str(BoolOp("AND", (Column("a"), Column("b"), Column("c"))))
+    '(a AND b AND c)'
+    >>> BoolOp("AND", (Column("a"),))
+    Traceback (most recent call last):
+    ...
+    trellisdb.errors.QueryError: BoolOp AND needs at least two operands, got 1; use the operand itself
+    """
+
+    op: str  # "AND" | "OR"
+    operands: tuple[Expr, ...]
+    span: Span = NO_SPAN
+
+    def __post_init__(self) -> None:
+        if self.op not in ("AND", "OR"):
+            raise QueryError(f"BoolOp joins with AND or OR, not {self.op!r}; use Binary for other operators")
+        if not isinstance(self.operands, tuple) or len(self.operands) < 2:
+            n = len(self.operands) if isinstance(self.operands, tuple) else type(self.operands).__name__
+            raise QueryError(f"BoolOp {self.op} needs at least two operands, got {n}; use the operand itself")
+
+    def __str__(self) -> str:
+        # show() prints nodes it has no branch for with str()
+        from trellisdb.tql.show import show
+
+        return "(" + f" {self.op} ".join(show(o) for o in self.operands) + ")"
 
 
 @dataclass(frozen=True)
@@ -105,7 +139,7 @@ class Between:
     span: Span = NO_SPAN
 
 
-Expr = Literal | Param | Column | Call | Neg | Binary | Not | IsNull | InList | Between
+Expr = Literal | Param | Column | Call | Neg | Binary | BoolOp | Not | IsNull | InList | Between
 Value = Literal | Param
 
 
@@ -518,13 +552,11 @@ class ToAst(Transformer[Token, Any]):
         return AsOf("step", rest[0], rest[1], _span(meta))
 
     # -- expressions
-    def or_(self, meta: Any, items: list[Any]) -> Binary:
-        a, b = _kw(items)
-        return Binary("OR", a, b, _span(meta))
+    def or_(self, meta: Any, items: list[Any]) -> BoolOp:
+        return BoolOp("OR", tuple(_kw(items)), _span(meta))
 
-    def and_(self, meta: Any, items: list[Any]) -> Binary:
-        a, b = _kw(items)
-        return Binary("AND", a, b, _span(meta))
+    def and_(self, meta: Any, items: list[Any]) -> BoolOp:
+        return BoolOp("AND", tuple(_kw(items)), _span(meta))
 
     def not_(self, meta: Any, items: list[Any]) -> Not:
         return Not(_kw(items)[0], _span(meta))

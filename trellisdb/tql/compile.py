@@ -65,6 +65,12 @@ def _parsed(sql: str, kind: str) -> exp.Expr:
     return sqlglot.parse_one(sql, dialect=DIALECT)
 
 
+def _paren(e: exp.Expr) -> exp.Paren:
+    """``(e)`` around a freshly compiled ``e`` (no copy: sqlglot's default copies the subtree,
+    so every level of a nested expression would copy all of the levels below it)."""
+    return exp.paren(e, copy=False)
+
+
 def _template(sql: str, kind: str = "statement") -> Any:
     """A fixed SQL fragment (names we generate, no user values), parsed once and copied per use."""
     return _parsed(sql, kind).copy()
@@ -132,18 +138,26 @@ class Compiler:
                 return exp.column(self.rewards[str(ch.value)], quoted=True)
             if e.name == "ucb":
                 v, n, c = (x(a) for a in e.args)
-                subs = {"__v": exp.paren(v), "__n": exp.paren(n), "__c": exp.paren(c)}
-                return exp.paren(_UCB.copy().transform(
+                subs = {"__v": _paren(v), "__n": _paren(n), "__c": _paren(c)}
+                return _paren(_UCB.copy().transform(
                     lambda node: subs[node.name].copy() if isinstance(node, exp.Column) and node.name in subs else node,
                     copy=False,
                 ))
             return exp.Anonymous(this=e.name, expressions=[x(a) for a in e.args])
         if isinstance(e, A.Neg):
-            return exp.Neg(this=exp.paren(x(e.operand)))
+            return exp.Neg(this=_paren(x(e.operand)))
         if isinstance(e, A.Binary):
-            return exp.paren(_BINARY[e.op](this=x(e.left), expression=x(e.right)))
+            return _paren(_BINARY[e.op](this=x(e.left), expression=x(e.right)))
+        if isinstance(e, A.BoolOp):
+            # one parenthesized flat chain, (a AND b AND c): sqlglot prints a left-deep And/Or
+            # chain with a loop, not recursion, and every operand is already parenthesized
+            join = _BINARY[e.op]
+            out = x(e.operands[0])
+            for o in e.operands[1:]:
+                out = join(this=out, expression=x(o))
+            return _paren(out)
         if isinstance(e, A.Not):
-            return exp.Not(this=exp.paren(x(e.operand)))
+            return exp.Not(this=_paren(x(e.operand)))
         if isinstance(e, A.IsNull):
             isnull = exp.Is(this=x(e.operand), expression=exp.Null())
             return exp.Not(this=isnull) if e.negated else isnull
@@ -363,24 +377,32 @@ class Slot:
     k: int
 
 
-def _abstract(obj: Any, values: list[Any]) -> Any:
+#: The most nodes (plan operators, expressions, values) a plan may have to be
+#: cached by shape: typical queries have a few dozen to a few hundred. A larger
+#: one (thousands of terms) compiles each time rather than keeping megabytes.
+CACHED_SHAPE_NODES = 1_000
+
+
+def _abstract(obj: Any, values: list[Any], nodes: list[int] | None = None) -> Any:
     """``obj`` with every text/time value replaced by a Slot (values collected in order).
 
     Two plans with the same shape (same operators, names and numbers, other
     strings) compile to the same SQL; only the parameter values differ.
-    Reward channels stay: they name output columns.
+    Reward channels stay: they name output columns. ``nodes[0]`` counts what it visits.
     """
+    if nodes is not None:
+        nodes[0] += 1
     if isinstance(obj, A.Literal):
         if isinstance(obj.value, str | dt.datetime | dt.date):
             values.append(obj.value)
             return A.Literal(Slot(len(values) - 1), obj.span)  # type: ignore[arg-type]
         return obj
-    if isinstance(obj, A.Call) and obj.name == "reward":
-        return obj
+    if isinstance(obj, A.Span | A.Column) or (isinstance(obj, A.Call) and obj.name == "reward"):
+        return obj  # nothing inside to abstract
     if isinstance(obj, tuple):
-        return tuple(_abstract(x, values) for x in obj)
+        return tuple(_abstract(x, values, nodes) for x in obj)
     if isinstance(obj, P.Derive):
-        return dataclasses.replace(obj, input=_abstract(obj.input, values))
+        return dataclasses.replace(obj, input=_abstract(obj.input, values, nodes))
     if isinstance(obj, P.Walk | P.SiblingsOf | P.ShortestPath):
         changes: dict[str, Any] = {}
         for f in ("seed", "node", "src", "dst"):
@@ -389,7 +411,9 @@ def _abstract(obj: Any, values: list[Any]) -> Any:
                 changes[f] = Slot(len(values) - 1)
         return dataclasses.replace(obj, **changes)
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        changes = {f.name: _abstract(getattr(obj, f.name), values) for f in dataclasses.fields(obj)}
+        changes = {f.name: _abstract(getattr(obj, f.name), values, nodes) for f in dataclasses.fields(obj)}
+        if all(v is getattr(obj, k) for k, v in changes.items()):
+            return obj  # no text inside: keep the node (a long AND of numbers is not rebuilt)
         return dataclasses.replace(obj, **changes)
     return obj
 
@@ -398,14 +422,16 @@ def _abstract(obj: Any, values: list[Any]) -> Any:
 def _compile_shape(shape: P.Plan) -> tuple[str, dict[str, Any], dict[str, str]]:
     c = Compiler()
     last = c.compile(shape)
-    sql = c.finish(last).sql(dialect=DIALECT)
+    sql = c.finish(last).sql(dialect=DIALECT, copy=False)  # a fresh tree, used once: no defensive copy
     return sql, c.params, {v: k for k, v in c.rewards.items()}
 
 
 def compile_plan(plan: P.Plan) -> Compiled:
     """SQL and parameters for a plan; plans of one shape share one compilation (cached)."""
     values: list[Any] = []
-    shape = _abstract(plan, values)
-    sql, slots, rewards = _compile_shape(shape)
+    nodes = [0]
+    shape = _abstract(plan, values, nodes)
+    compile_shape = _compile_shape if nodes[0] <= CACHED_SHAPE_NODES else _compile_shape.__wrapped__
+    sql, slots, rewards = compile_shape(shape)
     params = {name: values[v.k] if isinstance(v, Slot) else v for name, v in slots.items()}
     return Compiled(sql, params, rewards)

@@ -28,8 +28,66 @@ from lark.exceptions import UnexpectedCharacters, UnexpectedEOF, UnexpectedInput
 from trellisdb.errors import QuerySyntaxError
 from trellisdb.tql.ast import Query, ToAst
 
-#: Texts longer than this are refused before parsing (no query needs more).
+# ------------------------------------------------------------------ size limits
+# A query is data from an agent or a user: these bound the work one text can ask
+# of the parser, the later (recursive) stages and DuckDB, far above what real
+# queries use. The text limit is checked first; the others on the parse tree,
+# before it becomes an AST, each error pointing at the first item over its limit.
+# Within them every stage is linear in the text: a query at the text limit
+# prepares (parse, resolve, plan, compile) in about a second, most of it lark's
+# parse; typical queries and the largest keys, lists and nesting in milliseconds
+# to a few tenths of a second.
+
+#: Characters in a query text. 100,000 leaves room for an IN list of ~2,500
+#: quoted UUIDs; a longer text is data that belongs in a $parameter or a table.
 MAX_QUERY_CHARS = 100_000
+#: Operations nested inside one another in an expression: NOT, a minus sign, a
+#: function call, a comparison, IN, BETWEEN, IS NULL, a parenthesized AND / OR
+#: group, and each + - * / % of a chain (``a + b + c`` is ``(a + b) + c``). A flat
+#: ``a AND b AND c ...`` counts one however long. The stages after the parser
+#: walk expressions recursively: at 64 levels they use about 420 of Python's
+#: 1,000 frames, leaving the rest to the caller; DuckDB allows 1,000 levels.
+MAX_NESTING = 64
+#: Keys of one ORDER BY or RANK BY (ties always break by commit and id after them).
+MAX_SORT_KEYS = 32
+#: Columns of one RETURN (a node has about 20; the rest are computed ones).
+MAX_RETURN_COLUMNS = 128
+#: Values in one IN (...) or NOT IN (...) list.
+MAX_IN_ITEMS = 10_000
+#: Arguments of one function call (the widest function, coalesce, takes 16).
+MAX_FUNCTION_ARGS = 32
+#: Steps of one EXPAND (there are four kinds of step).
+MAX_EXPAND_STEPS = 16
+#: Edge kinds one VIA names (there are six).
+MAX_VIA_KINDS = 16
+#: Options of one view's WITH, and items of one [list] among them.
+MAX_VIEW_OPTIONS = 32
+MAX_VIEW_LIST_ITEMS = 64
+
+#: The longest text whose AST is cached (agents repeat short queries). Longer texts
+#: are parsed each time: an AST takes ~90 bytes per character, so caching distinct
+#: texts at the limit would let 1,024 of them hold gigabytes.
+CACHED_QUERY_CHARS = 2_048
+
+#: Parse-tree rules that are one level of expression nesting (see MAX_NESTING).
+_NESTING = frozenset({"or_", "and_", "not_", "compare", "is_null", "is_not_null", "in_list", "not_in_list",
+                      "between", "arith", "neg", "call"})
+
+#: Rules that repeat: rule -> (limit, what has the items, what they are, what to do instead).
+_REPEATS: dict[str, tuple[int, str, str, str]] = {
+    "order": (MAX_SORT_KEYS, "ORDER BY", "keys", "sort by fewer keys (ties already break by commit and id)"),
+    "rank": (MAX_SORT_KEYS, "RANK BY", "keys", "rank by fewer keys, or combine them into one expression"),
+    "returning": (MAX_RETURN_COLUMNS, "RETURN", "columns",
+                  "return fewer columns (a query without RETURN returns every column)"),
+    "in_list": (MAX_IN_ITEMS, "the IN list", "values",
+                "split it (x IN (...) OR x IN (...)) or across queries, or select by a column the values share"),
+    "not_in_list": (MAX_IN_ITEMS, "the NOT IN list", "values", "split it: x NOT IN (...) AND x NOT IN (...)"),
+    "call": (MAX_FUNCTION_ARGS, "the function call", "arguments", "pass fewer arguments"),
+    "expand": (MAX_EXPAND_STEPS, "EXPAND", "steps", "name each kind of step once"),
+    "via": (MAX_VIA_KINDS, "VIA", "edge kinds", "name each edge kind once"),
+    "view_with": (MAX_VIEW_OPTIONS, "WITH", "options", "set each option once"),
+    "view_list": (MAX_VIEW_LIST_ITEMS, "the [list]", "items", "list fewer items"),
+}
 
 
 def grammar_text() -> str:
@@ -138,7 +196,12 @@ def parse(text: str) -> Query:
     if not isinstance(text, str):
         raise QuerySyntaxError(f"a TQL query must be a string, got {type(text).__name__}")
     if len(text) > MAX_QUERY_CHARS:
-        raise QuerySyntaxError(f"the query is {len(text)} characters long; the limit is {MAX_QUERY_CHARS}")
+        raise QuerySyntaxError(
+            f"the query is {len(text)} characters long, over the limit of {MAX_QUERY_CHARS}; pass long values "
+            "as $parameters, or split it into several queries"
+        )
+    if len(text) > CACHED_QUERY_CHARS:
+        return _parse.__wrapped__(text)
     return _parse(text)
 
 
@@ -153,13 +216,70 @@ def _parse(text: str) -> Query:
         raise _syntax_error(text, e) from None
     except RecursionError:
         raise QuerySyntaxError("the query nests too deeply") from None
+    check_limits(text, tree)
     try:
         q: Query = ToAst(text).transform(tree)
-    except RecursionError:
+    except RecursionError:  # pragma: no cover - check_limits bounds the depth first
         raise QuerySyntaxError("the query nests too deeply") from None
     except lark.exceptions.VisitError as e:
+        if isinstance(e.orig_exc, QuerySyntaxError):
+            raise e.orig_exc from None
+        if isinstance(e.orig_exc, RecursionError):  # pragma: no cover - as above
+            raise QuerySyntaxError("the query nests too deeply") from None
         raise QuerySyntaxError(f"the query cannot be read: {e.orig_exc}") from None
     return q
+
+
+def _limit_error(text: str, at: lark.Tree[lark.Token], what: str) -> QuerySyntaxError:
+    pos = int(getattr(at.meta, "start_pos", 0) or 0)
+    line, col = _position(text, pos)
+    return QuerySyntaxError(f"line {line}, column {col}: {what}\n{_caret(text, pos)}", line, col)
+
+
+def _items(tree: lark.Tree[lark.Token]) -> list[lark.Tree[lark.Token]]:
+    """The repeated items of a rule in ``_REPEATS`` (not its operand, name or VIA)."""
+    kids = [c for c in tree.children if isinstance(c, lark.Tree)]
+    if tree.data in ("in_list", "not_in_list", "call"):
+        return kids[1:]
+    if tree.data == "expand":
+        return [c for c in kids if c.data != "via"]
+    return kids
+
+
+def check_limits(text: str, tree: lark.Tree[lark.Token]) -> None:
+    """Raise :class:`QuerySyntaxError` at the first place ``tree`` goes over a size limit.
+
+    One walk with an explicit stack (no recursion, whatever the depth), left to right.
+
+    >>> text = "NODES ORDER BY " + ", ".join(["step"] * 40)
+    >>> try:
+    ...     check_limits(text, parser().parse(text))
+    ... except QuerySyntaxError as e:
+    ...     print(str(e).splitlines()[0])
+    line 1, column 208: ORDER BY has 40 keys, over the limit of 32; sort by fewer keys (ties already break by commit and id)
+    """
+    stack: list[tuple[lark.Tree[lark.Token], int]] = [(tree, 0)]
+    while stack:
+        node, level = stack.pop()
+        rule = str(node.data)
+        if rule in _NESTING:
+            level += 1
+            if level > MAX_NESTING:
+                raise _limit_error(text, node, (
+                    f"the query nests too deeply: more than {MAX_NESTING} operations inside one another here "
+                    "(each NOT, minus sign, function call, comparison, parenthesized group, and each + - * / % "
+                    "of a chain counts one; a flat a AND b AND c counts one). Write it flatter: a AND b AND c "
+                    "needs no parentheses, NOT NOT x is x"))
+        limit = _REPEATS.get(rule)
+        if limit is not None:
+            items = _items(node)
+            most, owner, unit, instead = limit
+            if len(items) > most:
+                if rule == "call":
+                    owner = f"{node.children[0].children[0]}()"  # type: ignore[union-attr]
+                raise _limit_error(text, items[most], (
+                    f"{owner} has {len(items)} {unit}, over the limit of {most}; {instead}"))
+        stack.extend((c, level) for c in reversed(node.children) if isinstance(c, lark.Tree))
 
 
 def _accepts(text: str, pos: int, fallback: Iterable[str]) -> set[str]:

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 from trellisdb.errors import QueryError
 from trellisdb.tql import ast as A
+from trellisdb.tql.parser import MAX_SORT_KEYS
 from trellisdb.tql.resolve import CLOSED_STATUSES, ENTITY_COLUMNS, LINEAGE_KINDS, MAX_HOPS, Bound
 from trellisdb.tql.show import show
 
@@ -196,6 +197,7 @@ class TopPerGroup(Plan):
     def __post_init__(self) -> None:
         if self.k < 1:
             raise PlanError("TopPerGroup k must be >= 1")
+        _check_keys(self.keys)
 
     def label(self) -> str:
         return f"TopPerGroup {self.k} per {self.per} by {_keys(self.keys, self.tiebreak)}"
@@ -206,6 +208,9 @@ class Sort(Plan):
     input: Plan
     keys: tuple[A.OrderItem, ...]
     tiebreak: tuple[str, ...] = TIEBREAK
+
+    def __post_init__(self) -> None:
+        _check_keys(self.keys)
 
     def label(self) -> str:
         return f"Sort {_keys(self.keys, self.tiebreak)}"
@@ -238,6 +243,11 @@ class Project(Plan):
         return "Project " + ", ".join(f"{show(p.expr)} AS {p.alias}" for p in self.columns)
 
 
+def _check_keys(keys: tuple[A.OrderItem, ...]) -> None:
+    if len(keys) > MAX_SORT_KEYS:  # the parser refuses such queries; this guards plans built by hand
+        raise PlanError(f"a sort takes at most {MAX_SORT_KEYS} keys, got {len(keys)}; sort by fewer")
+
+
 def _keys(keys: tuple[A.OrderItem, ...], tie: tuple[str, ...]) -> str:
     ks = [f"{show(k.expr)}{' DESC' if k.descending else ''}" for k in keys]
     return ", ".join(ks) + (", then " if ks else "") + ", ".join(tie)
@@ -246,10 +256,9 @@ def _keys(keys: tuple[A.OrderItem, ...], tie: tuple[str, ...]) -> str:
 def default_expanded() -> A.Expr:
     """The default EXPANDED WHEN: the node has a child (``has_children``, i.e.
     ``children > 0``), or a closed status."""
-    return A.Binary(
+    return A.BoolOp(
         "OR",
-        A.Column("has_children"),
-        A.InList(A.Column("status"), tuple(A.Literal(s) for s in CLOSED_STATUSES), False),
+        (A.Column("has_children"), A.InList(A.Column("status"), tuple(A.Literal(s) for s in CLOSED_STATUSES), False)),
     )
 
 

@@ -219,6 +219,8 @@ class Resolver:
             return A.Neg(r(e.operand, ranking=ranking), e.span)
         if isinstance(e, A.Binary):
             return A.Binary(e.op, r(e.left, ranking=ranking), r(e.right, ranking=ranking), e.span)
+        if isinstance(e, A.BoolOp):
+            return A.BoolOp(e.op, tuple(r(o, ranking=ranking) for o in e.operands), e.span)
         if isinstance(e, A.Not):
             return A.Not(r(e.operand, ranking=ranking), e.span)
         if isinstance(e, A.IsNull):

@@ -32,6 +32,8 @@ def show(e: Any) -> str:
         return f"-{show(e.operand)}"
     if isinstance(e, A.Binary):
         return f"({show(e.left)} {e.op} {show(e.right)})"
+    if isinstance(e, A.BoolOp):
+        return "(" + f" {e.op} ".join(show(o) for o in e.operands) + ")"
     if isinstance(e, A.Not):
         return f"NOT {show(e.operand)}"
     if isinstance(e, A.IsNull):

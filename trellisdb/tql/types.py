@@ -111,6 +111,10 @@ def typeof(e: A.Expr, columns: ColumnTypes) -> str:
     if isinstance(e, A.IsNull):
         typeof(e.operand, columns)
         return "bool"
+    if isinstance(e, A.BoolOp):
+        for side in e.operands:
+            _need(side, "bool", columns, f"every side of {e.op} must be a condition, e.g. x > 1 {e.op} y = 'a'")
+        return "bool"
     if isinstance(e, A.Binary):
         if e.op in ("AND", "OR"):
             for side in (e.left, e.right):
