@@ -47,7 +47,7 @@ def test_mirror_equals_lance_at_every_commit(tmp_path: Path, monkeypatch: pytest
         real_append(name, data)
 
     monkeypatch.setattr(db._tables, "append", failing)
-    with pytest.raises(OSError), db.transaction():
+    with pytest.raises(trellisdb.CommitError, match="disk full"), db.transaction():
         w.add_node(id="ghost", parents=["a"])
         w.add_reward("ghost", "score", 9.0)
     monkeypatch.setattr(db._tables, "append", real_append)

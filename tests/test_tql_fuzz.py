@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -11,6 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import trellisdb
+import trellisdb.schema
 
 VALID = [
     "NODES FROM SESSION 's1' WHERE reward('score') > 0.5 ORDER BY reward('score') DESC LIMIT 3 RETURN id, step",
@@ -23,9 +25,20 @@ VALID = [
     "EXPLAIN SESSIONS FROM TASK 't' WHERE agent IS NOT NULL",
     "REWARDS WHERE channel IN ('score', 'x') AND value BETWEEN -1 AND 1e3 AS OF TIMESTAMP '2026-01-01'",
     "TASKS WHERE lower(name) = 'x' OR NOT id != 't'",
+    # statements that change state: views and exports (exports land under the export root)
+    "CREATE OR REPLACE VIEW fz AS preference WHERE status = 'pending' WITH reward = reward('score'), margin = 0.1, "
+    "pairs_from = ['siblings']",
+    "CREATE VIEW fz2 AS sft WITH reward = reward('score'), threshold = 0.0",
+    "MATERIALIZE fz AS OF TAG 'early'",
+    "REFRESH fz",
+    "EXPORT fz TO 'out/fz' FORMAT parquet WITH validation = 0.1, overwrite = true, skip_missing = true",
+    "EXPORT fz TO 'out/fz2' FORMAT trl",
+    "DROP VIEW fz2",
+    "SHOW VIEWS",
 ]
 PIECES = ["'", '"', ";", "(", ")", ",", "$", "$x", "--", "AS OF", "WHERE", "1", "-", "*", "NULL", " ", "\n",
-          "reward(", "'); DROP TABLE nodes; --", "\\", "\x00", "é", "1e999", "9" * 30]
+          "reward(", "'); DROP TABLE nodes; --", "\\", "\x00", "é", "1e999", "9" * 30, "/", "..", "../", "/tmp/",
+          "\ud800", "WITH x = 0.1", ", bogus = 1", "overwrite = true", "TO $p", "FORMAT openai", "['a', 1]"]
 
 
 @pytest.fixture(scope="module")
@@ -45,6 +58,15 @@ def db(tmp_path_factory: pytest.TempPathFactory) -> Iterator[trellisdb.Database]
 def run(db: trellisdb.Database, text: str, **params: object) -> None:
     with contextlib.suppress(trellisdb.TrellisError):  # the one allowed failure; anything else fails the test
         db.query(text, **params)
+    # whatever the statement did, the store is whole and nothing was written outside it
+    files = set(os.listdir(db.path))
+    assert {"trellis.json", "commits.log", "tables"} <= files <= _STORE_FILES, files
+    assert {f"{t}.lance" for t in trellisdb.schema.DATA_TABLES} <= set(os.listdir(os.path.join(db.path, "tables")))
+    assert os.listdir(os.path.dirname(db.path)) == ["db"]
+
+
+_STORE_FILES = {"trellis.json", "commits.log", "commits.hwm", "LOCK", "tables", "views.json", "views", "exports",
+                "spaces.json"}
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -74,6 +96,7 @@ def test_any_parameter_value(db: trellisdb.Database, value: object) -> None:
     run(db, "LINEAGE OF $v ANCESTORS $v", v=value)
     run(db, "NODES LIMIT $v", v=value)
     run(db, "NODES AS OF COMMIT $v", v=value)
+    run(db, "EXPORT fz TO $v WITH overwrite = true", v=value)
 
 
 INJECTIONS = [

@@ -689,7 +689,7 @@ def test_openevolve_sibling_preferences(tmp_path: Path) -> None:
 def test_cli_views(g: trellisdb.Database, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from trellisdb.cli import main
 
-    db = ["--db", g.path]
+    db = ["--db", g.path, "--export-root", str(tmp_path)]
     g.close()
     assert main([*db, "create-view", "p", "preference", "-o", "reward=reward('score')", "-o", "margin=0.3",
                  "-o", 'pairs_from=["siblings"]']) == 0
@@ -697,10 +697,10 @@ def test_cli_views(g: trellisdb.Database, tmp_path: Path, capsys: pytest.Capture
     assert "6 rows at commit" in capsys.readouterr().out
     assert main([*db, "views"]) == 0
     assert "preference(" in capsys.readouterr().out
-    assert main([*db, "export", "p", str(tmp_path / "out"), "--format", "openai"]) == 0
+    assert main([*db, "export", "p", "out", "--format", "openai"]) == 0
     assert "wrote 6 rows (train 6)" in capsys.readouterr().out
     assert len(read_jsonl(tmp_path / "out" / "train.jsonl")) == 6
-    assert main([*db, "export", "p", str(tmp_path / "out")]) == 1
+    assert main([*db, "export", "p", "out"]) == 1
     assert "exists; pass overwrite=True (or --overwrite)" in capsys.readouterr().err
     assert main([*db, "refresh", "p"]) == 0
     assert main([*db, "create-view", "q", "grpo", "-o", "oops"]) == 1
@@ -714,8 +714,8 @@ def test_view_statements_in_tql(g: trellisdb.Database, tmp_path: Path) -> None:
     assert g.query("MATERIALIZE p").to_pylist()[0]["rows"] == 5  # doubled rewards: .8, .8, 1.6, .8, .8 >= .5
     assert g.query(f"MATERIALIZE p AS OF COMMIT {commit}").to_pylist()[0]["commit"] == commit
     assert g.query("REFRESH p").to_pylist()[0]["rows"] == 5
-    out = tmp_path / "x"
-    e = g.query(f"EXPORT p TO '{out}' FORMAT openai WITH validation = 0.0, overwrite = true").to_pylist()[0]
+    out = Path(g.path) / "exports" / "x"  # a TQL export path is relative to the export root (default <db>/exports)
+    e = g.query("EXPORT p TO 'x' FORMAT openai WITH validation = 0.0, overwrite = true").to_pylist()[0]
     assert e["rows"] == 5 and len(read_jsonl(out / "train.jsonl")) == 5
     assert [v["name"] for v in g.query("SHOW VIEWS").to_pylist()] == ["p"]
     g.query("CREATE OR REPLACE VIEW p AS grpo WITH reward = reward('score'), group_by = prompt, min_size = 3")

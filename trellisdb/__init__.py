@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from trellisdb.database import Database, connect
 from trellisdb.errors import (
+    CommitError,
     CorruptionError,
     DuplicateIdError,
     EmbeddingDimensionError,
@@ -24,8 +25,10 @@ from trellisdb.errors import (
     QueryNameError,
     QuerySyntaxError,
     QueryTypeError,
+    ReadOnlyError,
     TransactionError,
     TrellisError,
+    TrellisWarning,
     UnknownCommitError,
     UnknownNodeError,
     UnknownParentError,
@@ -40,6 +43,7 @@ from trellisdb.writer import SessionWriter
 __version__ = "0.1.0"
 
 __all__ = [
+    "CommitError",
     "CorruptionError",
     "Database",
     "DuplicateIdError",
@@ -53,10 +57,12 @@ __all__ = [
     "QueryResult",
     "QuerySyntaxError",
     "QueryTypeError",
+    "ReadOnlyError",
     "Result",
     "SessionWriter",
     "TransactionError",
     "TrellisError",
+    "TrellisWarning",
     "UnknownCommitError",
     "UnknownNodeError",
     "UnknownParentError",

@@ -18,7 +18,9 @@ from trellisdb.errors import (
     UnknownSessionError,
     ValidationError,
 )
+from trellisdb.names import bad_names
 from trellisdb.schema import DATA_TABLES, EDGE_KINDS, KEYS, table_schema
+from trellisdb.writer import config_text
 
 if TYPE_CHECKING:
     from trellisdb.database import Database
@@ -63,6 +65,49 @@ def conform(name: str, t: pa.Table, dim: int) -> pa.Table:
     return pa.Table.from_arrays(cols, schema=sch)
 
 
+#: The columns of each table that hold names (``trellisdb/names.py``): checked whole, as the
+#: write API checks each value at its call.
+NAME_COLUMNS: dict[str, tuple[str, ...]] = {
+    "tasks": ("id", "tags"),
+    "sessions": ("id", "task_id", "agent", "model", "status"),
+    "nodes": ("id", "session_id", "task_id", "kind", "status"),
+    "edges": ("src", "dst", "kind", "session_id"),
+    "artifacts": ("hash", "media_type"),
+    "node_artifacts": ("node_id", "name", "hash"),
+    "rewards": ("node_id", "channel", "verifier", "verifier_version"),
+    "comparisons": ("id", "a", "b", "preferred", "judge"),
+}
+#: Numeric columns that count or measure something: never negative (and finite, for floats).
+_NOT_NEGATIVE: dict[str, tuple[str, ...]] = {"nodes": ("step", "tokens_in", "tokens_out", "seconds", "usd")}
+
+
+def check_values(name: str, t: pa.Table) -> None:
+    """The value rules of the write API, over whole columns: valid UTF-8 text, names, counts."""
+    try:
+        t.validate(full=True)  # every string column's UTF-8 among the rest
+    except pa.ArrowInvalid as e:
+        raise ValidationError(f"table {name!r} holds a value that is not valid (UTF-8 text): {e}") from None
+    for col in NAME_COLUMNS[name]:
+        bad_names(t.column(col), f"{name}.{col}")
+    for col in _NOT_NEGATIVE.get(name, ()):
+        c = t.column(col)
+        bad = pc.less(c, 0)
+        if pa.types.is_floating(c.type):
+            bad = pc.or_kleene(bad, pc.invert(pc.is_finite(c)))
+        if pc.any(bad).as_py():
+            raise ValidationError(f"{name}.{col} holds {pc.filter(c, bad)[0].as_py()!r}; it must be finite and >= 0")
+    if name == "comparisons":
+        margin = t.column("margin")
+        if pc.any(pc.invert(pc.is_finite(margin))).as_py():
+            raise ValidationError("comparisons.margin holds NaN or an infinity; margins are finite")
+        same = _first(t, pc.equal(t.column("a"), t.column("b")))
+        if same is not None:
+            raise ValidationError(f"comparison {same['id']!r} compares {same['a']!r} with itself")
+    if name == "sessions":
+        for config in t.column("config").drop_null().to_pylist():  # a few per ingest: one per session
+            config_text(config)
+
+
 def _in_store(db: Database, values: pa.Array, table: str, col: str, *, present: bool, limit: int | None = None) -> pa.Array:
     """The distinct ``values`` that ``table.col`` holds (``present``) or lacks, as of the latest commit."""
     if not len(values):
@@ -90,6 +135,8 @@ def prepare_bulk(db: Database, tables: Mapping[str, pa.Table]) -> dict[str, pa.T
     if unknown:
         raise ValidationError(f"unknown table(s) {sorted(unknown)}; tables are {list(DATA_TABLES)}")
     out = {n: conform(n, t, db.embedding_dim) for n, t in tables.items()}
+    for n, t in out.items():
+        check_values(n, t)
     empty = pa.array([], pa.string())
     nodes = out.get("nodes")
     node_ids = nodes.column("id").combine_chunks() if nodes is not None else empty

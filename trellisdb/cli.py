@@ -1,6 +1,7 @@
 """The `trellis` command: a thin layer over the library.
 
-trellis [--db PATH] init | log | sql TEXT | query TQL | explain TQL | tag NAME | compact | verify | demo
+trellis [--db PATH] [--read-only] [--export-root DIR] init | log | sql TEXT | query TQL | explain TQL
+    | tag NAME [--move] | untag NAME | compact | verify | repair | demo
     | views | create-view NAME KIND -o K=V ... | materialize NAME | refresh NAME | export NAME PATH
 """
 
@@ -83,6 +84,10 @@ def _opt(text: str) -> tuple[str, Any]:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="trellis", description="trellisdb: experience-graph database")
     p.add_argument("--db", default=None, help="database folder (default: $TRELLIS_DB or ./trellis.db)")
+    p.add_argument("--read-only", action="store_true",
+                   help="open the database read-only: writes, tags, view changes and exports are refused")
+    p.add_argument("--export-root", default=None,
+                   help="folder that export paths are relative to, and confined to (default: <db>/exports)")
     sub = p.add_subparsers(dest="command", required=True)
     init = sub.add_parser("init", help="create a database")
     init.add_argument("--embedding-dim", type=int, default=None, help="embedding dimension (default 384)")
@@ -103,11 +108,15 @@ def build_parser() -> argparse.ArgumentParser:
     tag = sub.add_parser("tag", help="name a commit")
     tag.add_argument("name")
     tag.add_argument("--commit", type=int, default=None)
+    tag.add_argument("--move", action="store_true", help="point an existing tag at this commit")
+    untag = sub.add_parser("untag", help="remove a tag")
+    untag.add_argument("name")
     compact = sub.add_parser("compact", help="compact the tables now")
     compact.add_argument(
         "--prune-now", action="store_true", help="also delete old physical versions at once (no other reader running)"
     )
     sub.add_parser("verify", help="read every file; report damage")
+    sub.add_parser("repair", help="recover acknowledged commits a damaged commit log lost (copies go to lost+found/)")
     sub.add_parser("views", help="list the training-data views")
     cv = sub.add_parser("create-view", help="declare a training-data view (kinds and options: trellisdb/views.py)")
     cv.add_argument("name")
@@ -123,10 +132,10 @@ def build_parser() -> argparse.ArgumentParser:
     ref.add_argument("name")
     ex = sub.add_parser("export", help="write a materialized view as a dataset (JSONL / Parquet + manifest)")
     ex.add_argument("name")
-    ex.add_argument("path")
+    ex.add_argument("path", help="folder to write, relative to the export root (--export-root, default <db>/exports)")
     ex.add_argument("--format", choices=["trl", "openai", "parquet"], default="trl")
     ex.add_argument("--validation", type=float, default=0.0, help="share of tasks split off for validation")
-    ex.add_argument("--overwrite", action="store_true", help="replace the path if it exists")
+    ex.add_argument("--overwrite", action="store_true", help="replace the folder if an earlier export wrote it")
     ex.add_argument("--skip-missing", action="store_true", help="leave out rows whose texts are missing")
     demo = sub.add_parser("demo", help="run a small simulated search into the database")
     demo.add_argument("--sessions", type=int, default=3)
@@ -147,6 +156,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _run(args: argparse.Namespace, path: str) -> int:
     from trellisdb.database import connect
 
+    if args.read_only and args.command in ("init", "demo"):
+        raise TrellisError(f"`trellis {args.command}` writes the database; drop --read-only")
     if args.command == "init":
         db = connect(path, embedding_dim=args.embedding_dim)
         print(f"initialized {path} (embedding dimension {db.embedding_dim})")
@@ -157,7 +168,7 @@ def _run(args: argparse.Namespace, path: str) -> int:
         run_demo(path, sessions=args.sessions, steps=args.steps)
         return 0
     # one question per process: scanning Lance beats building the reader's mirror first
-    db = connect(path, create=False, mirror=False)
+    db = connect(path, create=False, mirror=False, read_only=args.read_only, export_root=args.export_root)
     if args.command == "log":
         t = pa.Table.from_pylist(db.log()) if db.log() else pa.table({"id": pa.array([], pa.int64())})
         print(format_table(t, "table"))
@@ -172,8 +183,11 @@ def _run(args: argparse.Namespace, path: str) -> int:
         else:
             print(format_table(res.to_arrow(), args.format))
     elif args.command == "tag":
-        cid = db.tag(args.name, args.commit)
+        cid = db.tag(args.name, args.commit, move=args.move)
         print(f"tagged commit {cid} as {args.name!r}")
+    elif args.command == "untag":
+        cid = db.untag(args.name)
+        print(f"removed tag {args.name!r} (it named commit {cid})")
     elif args.command == "compact":
         import datetime as dt
 
@@ -195,10 +209,15 @@ def _run(args: argparse.Namespace, path: str) -> int:
             if total >= 100_000:
                 print(f"\r{done}/{total} rows", end="" if done < total else "\n", file=sys.stderr, flush=True)
 
-        m = db.export(args.name, args.path, args.format, validation=args.validation, overwrite=args.overwrite,
+        target = db.export_target(args.path)
+        m = db.export(args.name, target, args.format, validation=args.validation, overwrite=args.overwrite,
                       skip_missing=args.skip_missing, progress=progress)
         print(f"wrote {m['rows']} rows ({', '.join(f'{k} {v}' for k, v in m['counts'].items())}) of view "
-              f"{args.name!r} at commit {m['commit']} to {args.path} ({m['layout']})")
+              f"{args.name!r} at commit {m['commit']} to {target} ({m['layout']})")
+    elif args.command == "repair":
+        from trellisdb.storage.recovery import describe
+
+        print("\n".join(describe(db.repair())))
     elif args.command == "verify":
         problems = db.verify()
         for pr in problems:

@@ -29,15 +29,21 @@ import time
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 
+from trellisdb import usersql
 from trellisdb.errors import (
+    CommitError,
     CorruptionError,
+    DuplicateIdError,
     FormatVersionError,
     NotADatabaseError,
+    ReadOnlyError,
     TransactionError,
+    TrellisError,
     UnknownCommitError,
     UnknownNodeError,
     UnknownSessionError,
@@ -45,14 +51,17 @@ from trellisdb.errors import (
     ValidationError,
 )
 from trellisdb.ids import new_id
-from trellisdb.reader import SqlEngine
+from trellisdb.names import check_name, check_text, name_problem
+from trellisdb.paths import check_root, confined, default_root
+from trellisdb.reader import PUBLIC_RELATIONS, SqlEngine
 from trellisdb.result import Result
 from trellisdb.schema import DATA_TABLES, FORMAT_VERSION
 from trellisdb.storage import log as commit_log
+from trellisdb.storage import recovery
 from trellisdb.storage.lock import WriterLock
 from trellisdb.storage.tables import PRUNE_GRACE, LanceTables
 from trellisdb.vectors import TARGETS, TEXT_COLUMN, IndexMaintainer, Space, SpaceRegistry, as_matrix
-from trellisdb.writer import Batch, SessionWriter, _check_str, check_embedding, config_text
+from trellisdb.writer import Batch, SessionWriter, check_embedding, config_text
 
 if TYPE_CHECKING:
     from trellisdb.embed import Embedder
@@ -60,6 +69,8 @@ if TYPE_CHECKING:
 
 #: Seconds between background cleanups of old physical versions (per process).
 CLEANUP_INTERVAL = 60.0
+#: The longest pause between retries of a failed group commit (the pause doubles from ``commit_delay``).
+RETRY_MAX_DELAY = 5.0
 
 MARKER = "trellis.json"
 SPACES_FILE = "spaces.json"
@@ -88,8 +99,17 @@ def connect(
     mirror: bool = True,
     auto_index: bool = True,
     keep_memory: int | None = None,
+    read_only: bool = False,
+    export_root: str | os.PathLike[str] | None = None,
 ) -> Database:
     """Open the database in folder ``path``, creating it if needed.
+
+    ``read_only=True`` opens an existing database for reading only: every write,
+    tag, view change, export and maintenance call raises ``ReadOnlyError``, and
+    nothing in the folder is created or changed (raw SQL is read-only on every
+    handle). ``export_root`` is the folder that exports named in TQL (``EXPORT
+    ... TO 'path'``) and the CLI are written under (default ``<path>/exports``):
+    a query can name a folder inside it, never anything else.
 
     ``embedding_dim`` is fixed when the database is created (default 384) and
     checked on open. ``commit_delay`` bounds how long a single-call write waits
@@ -119,8 +139,14 @@ def connect(
     query memory until :meth:`Database.close`; a query right after a large
     one (a refresh after a materialization) runs up to 2x faster for it.
     """
+    try:
+        path = os.fspath(path)
+    except TypeError:
+        raise ValidationError(f"connect takes a folder path, not {type(path).__name__}") from None
+    if not isinstance(path, str) or not path or "\x00" in path or check_text(path, "database path") is None:
+        raise ValidationError(f"database path {path!r} must be a non-empty text path without NUL characters")
     return Database(
-        os.fspath(path),
+        path,
         embedding_dim=embedding_dim,
         commit_delay=commit_delay,
         max_batch_rows=max_batch_rows,
@@ -130,6 +156,8 @@ def connect(
         mirror=mirror,
         auto_index=auto_index,
         keep_memory=keep_memory,
+        read_only=read_only,
+        export_root=export_root,
     )
 
 
@@ -163,6 +191,15 @@ class Transaction:
     commit_id: int | None = None
 
 
+@dataclass
+class _Failure:
+    """A group commit that failed: its error, and the writers (session ids; None for writes made
+    outside a session) not yet told."""
+
+    error: BaseException
+    writers: set[str | None]
+
+
 class Database:
     """An open trellisdb database. Create it with :func:`trellisdb.connect`."""
 
@@ -179,11 +216,20 @@ class Database:
         mirror: bool = True,
         auto_index: bool = True,
         keep_memory: int | None = None,
+        read_only: bool = False,
+        export_root: str | os.PathLike[str] | None = None,
     ) -> None:
+        if not isinstance(read_only, bool):
+            raise ValidationError(f"read_only must be True or False, not {read_only!r}")
+        self.read_only = read_only
+        if read_only:
+            create = False  # a read-only handle changes nothing in the folder, creating it least of all
         if keep_memory is not None and (isinstance(keep_memory, bool) or not isinstance(keep_memory, int)
                                         or keep_memory < 0):
             raise ValidationError(f"keep_memory must be a number of bytes >= 0 (or None), not {keep_memory!r}")
         self.path = path
+        #: the folder exports named in TQL and on the command line are written under
+        self.export_root = check_root(os.fspath(export_root), path) if export_root is not None else default_root(path)
         self.commit_delay = commit_delay
         self.max_batch_rows = max_batch_rows
         self.auto_compact = auto_compact
@@ -228,16 +274,20 @@ class Database:
                 "omit embedding_dim or pass the database's own"
             )
         self._log = commit_log.CommitLog(os.path.join(path, "commits.log"))
-        self._log.refresh()
         self._tables = LanceTables(os.path.join(path, "tables"))
-        self._engine = SqlEngine(self._tables, lambda: self._log.refresh().max_id, mirror=mirror,
-                                 keep_memory=keep_memory)
+        # reads the log; warns (TrellisWarning) when it lost acknowledged records
+        self._guard = recovery.LogGuard(self._log, self._tables, self._all_tables)
+        self._guard.open()
+        # ids used beyond the log (a damaged one) count as begun: the mirror leaves their fragments unsettled
+        self._engine = SqlEngine(self._tables, lambda: max(self._log.refresh().max_id, self._guard.ceiling),
+                                 mirror=mirror, keep_memory=keep_memory)
         self._writer_name = f"{socket.gethostname()}:{os.getpid()}"
         self._state_lock = threading.RLock()
         self._pending = Batch()
         self._tx = threading.local()
         self._timer: threading.Timer | None = None
-        self._bg_error: BaseException | None = None
+        self._failure: _Failure | None = None
+        self._retry_delay = 0.0
         self._known_nodes: set[str] = set()
         self._known_hashes: set[str] = set()
         self._name_cache: dict[tuple[str, str], tuple[set[str], int]] = {}
@@ -264,39 +314,71 @@ class Database:
         """Start a session of ``agent`` on ``task`` (created if new); returns its writer.
 
         Use it as a context manager: on exit the session is marked completed
-        (or failed, on an exception) and its writes are flushed.
+        (or failed, on an exception) and its writes are flushed. An ``id`` that
+        names an existing session reopens it (status running again, the step
+        counter where it stopped) if ``task``, and ``agent``, ``model`` and
+        ``config`` where given, are its own; otherwise it is an error (use
+        :meth:`resume`, or a new id): a session is never silently rewritten.
         """
-        _check_str(task, "task", optional=False)
-        sid = _check_str(id, "session id") or new_id()
+        self._writable("session")
+        check_name(task, "task id")
+        sid = check_name(id, "session id", optional=True) or new_id()
         row = {
             "id": sid,
             "task_id": task,
-            "agent": _check_str(agent, "agent"),
-            "model": _check_str(model, "model"),
+            "agent": check_name(agent, "agent", optional=True),
+            "model": check_name(model, "model", optional=True),
             "config": config_text(config),
             "status": "running",
             "created_at": dt.datetime.now(dt.UTC),
         }
-        with self._sink() as b:
+        check_text(task_spec, "task spec")
+        old = self._session_row(sid) if id is not None else None
+        if old is not None:
+            given = {k: v for k, v in row.items() if k in ("task_id", "agent", "model", "config") and
+                     (v is not None or k == "task_id")}
+            diff = [k for k, v in given.items() if old.get(k) != v]
+            if diff:
+                raise DuplicateIdError(
+                    f"session {sid!r} exists with {', '.join(f'{k} {old.get(k)!r}' for k in diff)}, not "
+                    f"{', '.join(repr(given[k]) for k in diff)}; continue it with db.resume({sid!r}) or choose "
+                    "another id"
+                )
+            row = {**old, "status": "running", "created_at": row["created_at"]}
+        with self._sink(sid) as b:
             if task not in b.tasks and not self._exists("tasks", "id", task):
-                self._add_task_row(b, task, task, task_spec, None, None)
+                self._add_task_row(b, task, None, task_spec, None, None)
             b.rows["sessions"].append(row)
             b.sessions[sid] = row
             b.session_id = sid
-        return SessionWriter(self, sid, task)
+        w = SessionWriter(self, sid, task)
+        if old is not None:
+            w._step = self._max_step(sid)
+        return w
+
+    def _session_row(self, session_id: str) -> dict[str, Any] | None:
+        """The latest row of a session (pending or committed), or None."""
+        with self._state_lock:
+            for b in (getattr(self._tx, "batch", None), self._pending):
+                if b is not None and session_id in b.sessions:
+                    return dict(b.sessions[session_id])
+        rows = self._lookup("SELECT * EXCLUDE (commit_id) FROM sessions WHERE id = $1", [session_id])
+        return rows[0] if rows else None
+
+    def _max_step(self, session_id: str) -> int:
+        rows = self._lookup("SELECT coalesce(max(step), 0) AS s FROM nodes WHERE session_id = $1", [session_id])
+        pending = [r["step"] or 0 for b in (getattr(self._tx, "batch", None), self._pending) if b is not None
+                   for r in b.nodes.values() if r["session_id"] == session_id]
+        return max([int(rows[0]["s"]), *pending])
 
     def resume(self, session_id: str) -> SessionWriter:
         """A writer for an existing session (e.g. after the agent restarted)."""
-        rows = self.sql(
-            "SELECT task_id, coalesce(max_step, 0) AS s FROM sessions LEFT JOIN "
-            "(SELECT session_id, max(step) AS max_step FROM nodes GROUP BY 1) m "
-            "ON m.session_id = sessions.id WHERE id = $1",
-            params=[session_id],
-        ).to_pylist()
-        if not rows:
+        self._writable("resume")
+        row = self._session_row(check_name(session_id, "session id") or "")
+        if row is None:
             raise UnknownSessionError(f"session {session_id!r} does not exist")
-        w = SessionWriter(self, session_id, rows[0]["task_id"])
-        w._step = int(rows[0]["s"])
+        w = SessionWriter(self, session_id, row["task_id"])
+        w._step = self._max_step(session_id)
         return w
 
     def add_task(
@@ -308,11 +390,20 @@ class Database:
         tags: Sequence[str] | None = None,
         embedding: Sequence[float] | None = None,
     ) -> str:
-        """Declare a task (what is being solved)."""
-        _check_str(id, "task id", optional=False)
+        """Declare a task (what is being solved). Declaring an existing task again is a no-op
+        when it says the same, and an error when it says something else (a task is never
+        silently rewritten)."""
+        self._writable("add_task")
+        check_name(id, "task id")
         with self._sink() as b:
-            self._add_task_row(b, id, name or id, spec, tags, embedding)
+            self._add_task_row(b, id, name, spec, tags, embedding, old=self._task_row(id, b))
         return id
+
+    def _task_row(self, task_id: str, b: Batch) -> dict[str, Any] | None:
+        if task_id in b.tasks:
+            return next((r for r in reversed(b.rows["tasks"]) if r["id"] == task_id), None)
+        rows = self._lookup("SELECT * EXCLUDE (commit_id) FROM tasks_full WHERE id = $1", [task_id])
+        return rows[0] if rows else None
 
     def _add_task_row(
         self,
@@ -322,31 +413,38 @@ class Database:
         spec: str | None,
         tags: Sequence[str] | None,
         embedding: Sequence[float] | None,
+        old: dict[str, Any] | None = None,
     ) -> None:
-        if isinstance(tags, str) or (tags is not None and not all(isinstance(t, str) for t in tags)):
+        if isinstance(tags, str) or (tags is not None and not isinstance(tags, Sequence | set | frozenset)):
             raise ValidationError(f"tags of task {id!r} must be a list of strings, got {tags!r}")
-        b.rows["tasks"].append(
-            {
-                "id": id,
-                "name": _check_str(name, "task name"),
-                "spec": _check_str(spec, "task spec"),
-                "tags": list(tags) if tags else None,
-                "embedding": check_embedding(embedding, self.embedding_dim, f"embedding of task {id!r}"),
-                "created_at": dt.datetime.now(dt.UTC),
-            }
-        )
+        for t in tags or ():
+            check_name(t, f"tag of task {id!r}")
+        row = {
+            "id": id,
+            "name": id if name is None else check_text(name, "task name", optional=False),
+            "spec": check_text(spec, "task spec"),
+            "tags": list(tags) if tags else None,
+            "embedding": check_embedding(embedding, self.embedding_dim, f"embedding of task {id!r}"),
+            "created_at": dt.datetime.now(dt.UTC),
+        }
+        if old is not None:
+            given = {"name": name, "spec": spec, "tags": tags, "embedding": embedding}
+            diff = [k for k, v in given.items() if v is not None and old.get(k) != row[k]]
+            if diff:
+                raise DuplicateIdError(
+                    f"task {id!r} exists with another {', '.join(diff)}; a task is declared once (choose another id)"
+                )
+            return  # declared again, the same: nothing to write
+        b.rows["tasks"].append(row)
         b.tasks.add(id)
 
     def _write_session_status(self, session_id: str, status: str) -> None:
-        with self._sink() as b:
+        with self._sink(session_id) as b:
             row = b.sessions.get(session_id)
             if row is None:
-                cur = self.sql(
-                    "SELECT * EXCLUDE (commit_id) FROM sessions WHERE id = $1", params=[session_id]
-                ).to_pylist()
-                if not cur:
+                row = self._session_row(session_id)
+                if row is None:
                     raise UnknownSessionError(f"session {session_id!r} does not exist")
-                row = cur[0]
                 b.rows["sessions"].append(row)
                 b.sessions[session_id] = row
             row["status"] = status
@@ -372,31 +470,45 @@ class Database:
                     b.nodes[node_id] = row
                 row["status"] = status
 
+    def _writable(self, what: str) -> None:
+        if self.read_only:
+            raise ReadOnlyError(
+                f"{what} changes the database, and this handle is read-only (opened with read_only=True, or "
+                "trellis --read-only); open it without read_only to write"
+            )
+
     def in_transaction(self) -> bool:
         return getattr(self._tx, "batch", None) is not None
 
     @contextmanager
-    def _sink(self) -> Iterator[Batch]:
-        """The batch a write goes to: the thread's transaction, or the group batch."""
-        self._raise_bg_error()
+    def _sink(self, writer: str | None = None) -> Iterator[Batch]:
+        """The batch a write goes to: the thread's transaction, or the group batch. ``writer``
+        (the session writing, if one) is told here of a failed group commit that held its writes."""
+        self._writable("writing")
         if self._closed:
             raise TransactionError(f"database {self.path} is closed")
+        with self._state_lock:
+            self._report_failure(writer)
         tx = getattr(self._tx, "batch", None)
         if tx is not None:
             yield tx
+            tx.writers.add(writer)
+            tx.session_id = writer or tx.session_id
             return
         with self._state_lock:
             yield self._pending
+            self._pending.writers.add(writer)
+            self._pending.session_id = writer or self._pending.session_id
             n = len(self._pending)
         if n >= self.max_batch_rows:
             self.flush()
         else:
             self._arm_timer()
 
-    def _arm_timer(self) -> None:
+    def _arm_timer(self, delay: float | None = None) -> None:
         with self._state_lock:
             if self._timer is None:
-                t = threading.Timer(self.commit_delay, self._timer_flush)
+                t = threading.Timer(self.commit_delay if delay is None else delay, self._timer_flush)
                 t.daemon = True
                 self._timer = t
                 t.start()
@@ -404,25 +516,54 @@ class Database:
     def _timer_flush(self) -> None:
         try:
             self.flush()
-        except BaseException as e:  # surfaces on the next call
-            self._bg_error = e
+        except BaseException:  # recorded by flush for the writers it concerns; retried below
+            with self._state_lock:
+                if len(self._pending) and not self._closed:
+                    # retry with a growing pause: a full disk or a damaged log does not mend in 50 ms
+                    self._retry_delay = min(max(2 * self._retry_delay, self.commit_delay), RETRY_MAX_DELAY)
+                    self._arm_timer(self._retry_delay)
 
-    def _raise_bg_error(self) -> None:
-        if self._bg_error is not None:
-            e, self._bg_error = self._bg_error, None
-            raise e
+    def _report_failure(self, writer: str | None) -> None:
+        """Raise, once per writer, the failure of a group commit that held ``writer``'s writes
+        (they are still pending, and retried)."""
+        f = self._failure
+        if f is not None and writer in f.writers:
+            f.writers.discard(writer)
+            who = f"session {writer!r}" if writer is not None else "this database"
+            raise CommitError(
+                f"the group commit holding earlier writes of {who} failed: {f.error}. Those writes are kept "
+                "and retried (db.flush() retries now); this call wrote nothing"
+            ) from f.error
 
     def flush(self) -> int | None:
-        """Commit pending group-committed writes now; return the commit id (None if nothing)."""
+        """Commit pending group-committed writes now; return the commit id (None if nothing).
+
+        If the commit fails, the writes stay pending (the next flush, or the timer, retries
+        them), the error is raised here, and each session whose writes it held is told on its
+        next write: a failed commit never drops writes silently."""
         with self._state_lock:
             if self._timer is not None:
                 self._timer.cancel()
                 self._timer = None
             batch, self._pending = self._pending, Batch()
             if not len(batch):
-                self._raise_bg_error()
                 return None
-            return self._commit(batch, message=None)
+            try:
+                cid = self._commit(batch, message=None)
+            except BaseException as e:
+                if batch.commit_id is not None:  # past the commit point: the writes are durable
+                    self._failure = None
+                    return batch.commit_id
+                # Nothing was staged meanwhile (we hold the state lock): the batch is the pending one again.
+                self._pending = batch
+                self._failure = _Failure(e, set(batch.writers))
+                if isinstance(e, TrellisError):
+                    raise
+                raise CommitError(f"the commit of {len(batch)} pending writes failed: {e}; they are kept and "
+                                  "retried by the next flush") from e
+            self._failure = None
+            self._retry_delay = 0.0
+            return cid
 
     @contextmanager
     def transaction(self, message: str | None = None) -> Iterator[Transaction]:
@@ -432,6 +573,8 @@ class Database:
         discards the writes. After the block, ``tx.commit_id`` is the id of
         the acknowledged commit (None if the block wrote nothing).
         """
+        self._writable("transaction")
+        check_text(message, "commit message")
         if self.in_transaction():
             raise TransactionError("transactions do not nest; commit the outer one first")
         tx = Transaction()
@@ -445,7 +588,7 @@ class Database:
             # Earlier group-committed writes (e.g. the parent of a node in this
             # transaction) commit first, so the transaction never overtakes them.
             self.flush()
-            tx.commit_id = self._commit(batch, message=message)
+            tx.commit_id = self._commit_once(batch, message)
 
     def ingest(self, tables: Mapping[str, pa.Table], message: str | None = None) -> int:
         """Bulk-write whole Arrow tables (any subset of the data tables) as one commit.
@@ -453,22 +596,38 @@ class Database:
         Columns are matched by name; missing nullable columns are filled with
         nulls. Parents of edges must exist in the batch or the database.
         """
+        self._writable("ingest")
+        check_text(message, "commit message")
         from trellisdb.bulk import prepare_bulk
 
         prepared = prepare_bulk(self, tables)
-        return self._commit(Batch(), message=message, extra=prepared)
+        return self._commit_once(Batch(), message, extra=prepared)
+
+    def _commit_once(self, batch: Batch, message: str | None, extra: Mapping[str, pa.Table] | None = None) -> int:
+        """Commit ``batch`` for a caller that waits for it (a transaction, an ingest): a failure
+        before the commit point is raised (as ``CommitError`` if it is not a TrellisError) and
+        nothing of the batch is visible; one after it does not undo the acknowledged commit."""
+        try:
+            return self._commit(batch, message=message, extra=extra)
+        except Exception as e:
+            if batch.commit_id is not None:
+                return batch.commit_id
+            if isinstance(e, TrellisError):
+                raise
+            raise CommitError(f"the commit failed: {e}; nothing of it was written") from e
 
     def _commit(self, batch: Batch, message: str | None, extra: Mapping[str, pa.Table] | None = None) -> int:
         with self._lock.held():
-            self._log.repair_tail()
+            mark = self._log.repair_tail()  # refuses when the log lost acknowledged records
             st = self._log.refresh()
             if st.problems:
                 raise CorruptionError(
                     f"the commit log is damaged ({st.problems[0][1]}); writes are refused until "
-                    "`trellis verify` is clean. Reads still work"
+                    "db.repair() (`trellis repair`) mends it and `trellis verify` is clean. Reads still work"
                 )
+            self._guard.check_rows(st, mark)  # rows of commits the log does not record: refused
             self._collect_aborted()
-            cid = st.max_id + 1
+            cid = self._guard.next_id(st, mark)
             self._log.append([{"op": "begin", "id": cid}])
             data = batch.to_arrow(self.embedding_dim, cid)
             for name, t in (extra or {}).items():
@@ -495,6 +654,7 @@ class Database:
                     }
                 ]
             )
+            batch.commit_id = cid  # the commit point: from here on, a failure must not make a retry write it again
             self._log.refresh()
             self._known_nodes.update(batch.nodes)
             self._known_hashes.update(batch.hashes)
@@ -551,6 +711,7 @@ class Database:
         """Compact every table's fragments now and drop physical versions older
         than ``prune_older_than`` (default 10 minutes: readers in other processes
         may still scan them; pass ``timedelta(0)`` when nothing else reads)."""
+        self._writable("compact")
         self.flush()
         with self._lock.held():
             out = {name: self._tables.compact(name) for name in self._all_tables()}
@@ -558,19 +719,51 @@ class Database:
             self._tables.cleanup(name, prune_older_than)
         return out
 
-    def tag(self, name: str, commit: int | None = None) -> int:
-        """Name a commit (default: the latest); return its id."""
-        _check_str(name, "tag name", optional=False)
-        if not name or name.isdigit():
-            raise ValidationError(f"tag name {name!r} must be non-empty and not a number")
+    def tag(self, name: str, commit: int | None = None, *, move: bool = False) -> int:
+        """Name a commit (default: the latest); return its id.
+
+        A tag names one commit: tagging the commit it names again changes nothing, and
+        pointing it at another commit needs ``move=True`` (or :meth:`untag` first)."""
+        self._writable("tag")
+        check_name(name, "tag name")
+        if name.isdigit():
+            raise ValidationError(f"tag name {name!r} must not be a number (AS OF COMMIT takes numbers)")
+        if commit is not None and (isinstance(commit, bool) or not isinstance(commit, int)):
+            raise ValidationError(f"commit must be a commit id (an integer) or None, not {commit!r}")
         self.flush()
         with self._lock.held():
             self._log.repair_tail()
             st = self._log.refresh()
-            cid = st.last_committed if commit is None else int(commit)
+            cid = st.last_committed if commit is None else commit
             if cid not in st.commits:
                 raise UnknownCommitError(f"commit {cid} does not exist; see `trellis log`")
+            old = st.tags.get(name)
+            if old == cid:
+                return cid
+            if old is not None and not move:
+                raise ValidationError(
+                    f"tag {name!r} names commit {old}; pass move=True (trellis tag --move) to point it at {cid}, "
+                    f"or untag it first"
+                )
             self._log.append([{"op": "tag", "name": name, "id": cid}])
+            self._log.refresh()
+        return cid
+
+    def untag(self, name: str) -> int:
+        """Remove tag ``name``; return the commit it named. A tag whose name a store written
+        before names were checked holds (see ``verify``) is removed the same way."""
+        self._writable("untag")
+        if not isinstance(name, str):
+            raise ValidationError(f"tag name must be a string, got {type(name).__name__}")
+        with self._lock.held():
+            self._log.repair_tail()
+            st = self._log.refresh()
+            cid = st.tags.get(name, st.invalid_tags.get(name))
+            if cid is None:
+                from trellisdb.tql.resolve import did_you_mean
+
+                raise UnknownTagError(f"tag {name!r} does not exist{did_you_mean(name, list(st.tags))}")
+            self._log.append([{"op": "untag", "name": name}])
             self._log.refresh()
         return cid
 
@@ -598,6 +791,7 @@ class Database:
         >>> db.create_space("tiny", dim=2)["table"]
         'vec_nodes_tiny'
         """
+        self._writable("create_space")
         from trellisdb.errors import UnknownSpaceError
         from trellisdb.vectors import BUILTIN, check_space_name, space_schema
 
@@ -707,12 +901,13 @@ class Database:
         list each id once, at its best distance (a new model belongs in a new
         space). The built-in space takes vectors through ``add_node(embedding=...)``.
         """
+        self._writable("add_vectors")
         sp = self._space(space, target)
         if sp.builtin:
             raise ValidationError("the built-in space 'embedding' is written with add_node(embedding=...)")
         if isinstance(ids, str):
             raise ValidationError(f"ids must be a list of ids, got the string {ids!r}")
-        ids = [_check_str(i, "id", optional=False) or "" for i in ids]
+        ids = [check_name(i, "id") or "" for i in ids]
         mat = as_matrix(vectors, sp.dim, f"vectors for space {space!r}")
         if mat.shape[0] != len(ids):
             raise ValidationError(f"{len(ids)} ids but {mat.shape[0]} vectors for space {space!r}")
@@ -748,6 +943,7 @@ class Database:
         vector yet, ``batch_size`` texts per commit (so a long run keeps what
         it did). ``progress(done, total)`` is called after each batch.
         """
+        self._writable("embed")
         sp = self._space(space, target)
         if sp.builtin:
             raise ValidationError("the built-in space holds supplied vectors; create a space with an embedder to embed")
@@ -787,6 +983,7 @@ class Database:
 
         >>> db.create_view("good", "sft", reward="reward('score')", threshold=0.9)  # doctest: +SKIP
         """
+        self._writable("create_view")
         from trellisdb import views
 
         spec = views.ViewSpec.from_dict({**options, "name": name, "kind": kind})
@@ -811,6 +1008,7 @@ class Database:
 
     def materialize(self, name: str, as_of: AsOf = None) -> dict[str, Any]:
         """Compute view ``name`` as of a commit (default: the latest) and store its rows pinned to it."""
+        self._writable("materialize")
         from trellisdb import views
 
         self.flush()
@@ -825,6 +1023,7 @@ class Database:
     def refresh(self, name: str) -> dict[str, Any]:
         """Bring a materialized view to the latest commit, recomputing only what the commits
         since its own touched (equal to a rebuild; see ``views.refresh_rows``)."""
+        self._writable("refresh")
         from trellisdb import views
 
         self.flush()
@@ -862,6 +1061,7 @@ class Database:
 
     def drop_view(self, name: str) -> None:
         """Forget a view and delete its stored rows (exports already written stay)."""
+        self._writable("drop_view")
         from trellisdb import views
 
         with self._lock.held():
@@ -888,8 +1088,21 @@ class Database:
         Returns the manifest."""
         from trellisdb.export import export
 
+        self._writable("export")
         return export(self, name, path, format, validation=validation, overwrite=overwrite,
                       skip_missing=skip_missing, progress=progress)
+
+    def export_target(self, path: str) -> str:
+        """The folder an export named ``path`` in TQL or on the command line writes: ``path``
+        relative to the export root (``connect(export_root=...)``, default ``<db>/exports``);
+        an absolute path, ``..``, NUL or a symbolic link out of the root raise ``ExportError``.
+
+        >>> import tempfile, trellisdb
+        >>> db = trellisdb.connect(tempfile.mkdtemp() + "/db", embedding_dim=4)
+        >>> db.export_target("runs/pairs").endswith("/db/exports/runs/pairs")
+        True
+        """
+        return confined(self.export_root, self.path, path)
 
     def index_status(self) -> list[dict[str, Any]]:
         """Per space: state (exact | building | indexed | failed), rows, indexed_rows,
@@ -899,6 +1112,7 @@ class Database:
     def build_index(self, space: str = "embedding", *, target: str = "nodes", wait: bool = True) -> dict[str, Any]:
         """Build (or rebuild) the ANN index of ``space`` now, whatever its size; with
         ``wait`` block until done. Returns the space's index status."""
+        self._writable("build_index")
         sp = self._space(space, target)
         self.flush()
         self._indexer.poke(sp, force="create")
@@ -965,7 +1179,12 @@ class Database:
         in-memory mirror); ``nodes_full``, ``tasks_full``, ``artifacts_full``
         and their ``_history`` views have it. Values go in ``params`` (``$1`` or ``$name``), never
         into the text.
+
+        The text is one read-only query (``SELECT``, ``WITH``, ``EXPLAIN``) over those
+        relations; anything else (writes, DDL, settings, file or extension access, internal
+        relations) raises ``QueryError`` (``trellisdb/usersql.py``).
         """
+        usersql.check(text, PUBLIC_RELATIONS)
         snap = self.resolve_as_of(as_of)
         return Result(self._engine.run(self._log.state, snap, text, params), sql=text)
 
@@ -1070,6 +1289,17 @@ class Database:
             out.update((r["id"], r) for r in rows)
         return out
 
+    def _comparison_row(self, comparison_id: str) -> dict[str, Any] | None:
+        """The latest row of a comparison (pending or committed), or None."""
+        with self._state_lock:
+            for b in (getattr(self._tx, "batch", None), self._pending):
+                if b is not None:
+                    row = next((r for r in reversed(b.rows["comparisons"]) if r["id"] == comparison_id), None)
+                    if row is not None:
+                        return dict(row)
+        rows = self._lookup("SELECT * EXCLUDE (commit_id) FROM comparisons WHERE id = $1", [comparison_id])
+        return rows[0] if rows else None
+
     def _node_original(self, node_id: str, edge_kind: str) -> tuple[dict[str, Any], set[str]] | None:
         """The first row written for a node and its ``edge_kind`` parents from
         that same write: what an idempotent retry of ``add_node`` must match."""
@@ -1109,10 +1339,36 @@ class Database:
     # ------------------------------------------------------------- maintenance
     def verify(self) -> list[str]:
         """Check every file; return problems, each naming the file (empty: healthy)."""
-        problems = [msg for _, msg in self._log.refresh().problems]
+        st = self._log.refresh()
+        problems = [msg for _, msg in st.problems]
+        problems += [f"{self._log.path}: tag {name!r} (commit {cid}) has a name no tag may have "
+                     f"({name_problem(name)}); remove it with db.untag({name!r})"
+                     for name, cid in list(st.invalid_tags.items())]
+        problems += [p for p in self._guard.problems() if p not in problems]  # lost records, stranded rows
         for name in self._all_tables():
             problems.extend(self._tables.verify(name))
         return problems
+
+    def repair(self) -> dict[str, Any]:
+        """Mend a commit log that lost records; return a report of what was done.
+
+        Every commit whose rows are proven complete (acknowledged, says the high-water mark
+        ``commits.hwm``, or followed by a later commit) gets back its commit record, with every
+        row the tables hold; rows of commits never acknowledged, and the damaged lines of the
+        log, are copied to ``<db>/lost+found/<UTC time>/`` and removed, and no id is used again.
+        Tags lost with the log's lines cannot be recovered. On a healthy store it does nothing.
+        A process that had read the lines a repair dropped must open the database again.
+        See ``trellisdb/storage/recovery.py`` for the report's keys.
+
+        >>> import tempfile, trellisdb
+        >>> db = trellisdb.connect(tempfile.mkdtemp() + "/db", embedding_dim=4)
+        >>> report = db.repair()
+        >>> report["damage"], report["recovered"], report["lost_found"]
+        ([], [], None)
+        """
+        self._writable("repair")
+        with self._lock.held():
+            return self._guard.repair()
 
     def close(self) -> None:
         """Flush pending writes and release resources."""

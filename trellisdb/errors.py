@@ -17,6 +17,11 @@ class TrellisError(Exception):
     """Root of every error raised by trellisdb."""
 
 
+class TrellisWarning(UserWarning):
+    """A condition worth knowing that does not stop the call (a store opened while its commit
+    log lacks acknowledged records: reads work, writes wait for ``trellis repair``)."""
+
+
 class NotADatabaseError(TrellisError):
     """The folder is not a trellisdb database."""
 
@@ -67,6 +72,15 @@ class UnknownCommitError(TrellisError):
 
 class QueryError(TrellisError):
     """A SQL or TQL query failed."""
+
+
+class CommitError(TrellisError):
+    """A commit failed before its commit point (a full disk, an unwritable file); the writes it
+    held are kept pending and retried by the next flush."""
+
+
+class ReadOnlyError(TrellisError):
+    """A write, a view change or an export through a handle opened with ``read_only=True``."""
 
 
 class TransactionError(TrellisError):

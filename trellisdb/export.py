@@ -54,6 +54,8 @@ import pyarrow.parquet as pq
 
 from trellisdb import texts
 from trellisdb.errors import ExportError, ValidationError
+from trellisdb.names import utf8_problem
+from trellisdb.paths import check_target, replaceable
 
 if TYPE_CHECKING:
     from trellisdb.database import Database
@@ -121,7 +123,7 @@ def export(
 
     if format not in FORMATS:
         raise ValidationError(f"unknown export format {format!r}; formats are {', '.join(FORMATS)}")
-    if not (isinstance(validation, int | float) and 0.0 <= validation < 1.0):
+    if isinstance(validation, bool) or not (isinstance(validation, int | float) and 0.0 <= validation < 1.0):
         raise ValidationError(f"validation must be a fraction in [0, 1), not {validation!r}")
     cat = views.ViewCatalog(db.path).load()
     spec = cat.spec(name)
@@ -131,9 +133,19 @@ def export(
     kind, shape = spec.kind, spec.shape
     if format != "parquet" and (format, kind) not in _LAYOUTS:
         raise ValidationError(f"format {format!r} has no layout for {kind} views; use 'trl' or 'parquet'")
-    out = os.fspath(path)
-    if os.path.exists(out) and not overwrite:
-        raise ExportError(f"{out} exists; pass overwrite=True (or --overwrite) to replace it")
+    try:
+        out = os.path.abspath(os.fspath(path))
+    except (TypeError, ValueError) as e:
+        raise ExportError(f"export path {path!r} is not a usable path ({e})") from None
+    if "\x00" in out or utf8_problem(out):
+        raise ExportError(f"export path {path!r} contains a NUL character or is not valid UTF-8")
+    if not isinstance(overwrite, bool) or not isinstance(skip_missing, bool):
+        raise ValidationError(f"overwrite and skip_missing are True or False, not {overwrite!r}, {skip_missing!r}")
+    check_target(db.path, out)
+    if os.path.lexists(out):
+        if not overwrite:
+            raise ExportError(f"{out} exists; pass overwrite=True (or --overwrite) to replace it")
+        replaceable(out)
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="trellis-export") as pool:
         # the view's texts load beside its rows
         stored = pool.submit(texts.read, db, entry) if entry.get("texts_version") is not None else None
@@ -147,6 +159,7 @@ def export(
     try:
         files, counts = _write(tmp, format, shape, rows, side, validation, progress)
         manifest = {
+            "trellisdb_export": 1,
             "view": name,
             "kind": kind,
             "definition": entry["definition"],

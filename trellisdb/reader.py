@@ -29,6 +29,7 @@ import pyarrow as pa
 
 from trellisdb.errors import CorruptionError, QueryError, ValidationError
 from trellisdb.graph import Adjacency
+from trellisdb.names import utf8_problem
 from trellisdb.schema import COMMITS_SCHEMA, DATA_TABLES, KEYS
 from trellisdb.storage.log import LogState
 from trellisdb.storage.tables import LanceTables
@@ -36,6 +37,11 @@ from trellisdb.storage.tables import LanceTables
 DUCKDB_CONFIG: dict[str, str | bool | int | float | list[str]] = {
     "autoinstall_known_extensions": False,
     "autoload_known_extensions": False,
+    # No SQL, the callers' included, reaches a file, an extension or a Python variable: the
+    # engine reads only what this module registers (Lance datasets, Arrow tables). The
+    # configuration is locked once the engine is set up (SqlEngine.__init__).
+    "enable_external_access": False,
+    "python_enable_replacements": False,
     # The mirror stays uncompressed. DuckDB compresses in-memory tables at its automatic
     # checkpoints, so a mirror grown by many commits ended up FSST-compressed while one copied
     # at open did not; the compressed one made a 1M-node view refresh ~25% slower (string-key
@@ -77,6 +83,12 @@ SMALL_FRAGMENTS = 65_536
 REFRESH_EVERY = 30.0
 
 
+def _shown(text: object) -> object:
+    """A log string as a table shows it: one UTF-8 cannot hold (a lone surrogate written by a
+    release that did not check) is shown escaped, so that it cannot fail every read."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8") if isinstance(text, str) and utf8_problem(text) else text
+
+
 def commits_table(state: LogState, upto: int) -> pa.Table:
     by_commit: dict[int, list[str]] = {}
     for name, cid in list(state.tags.items()):
@@ -88,9 +100,9 @@ def commits_table(state: LogState, upto: int) -> pa.Table:
             "time": pa.array([int(r["time"] * 1_000_000) for r in recs], pa.int64()).cast(
                 COMMITS_SCHEMA.field("time").type
             ),
-            "writer": [r.get("writer") for r in recs],
-            "session_id": [r.get("session") for r in recs],
-            "message": [r.get("message") for r in recs],
+            "writer": [_shown(r.get("writer")) for r in recs],
+            "session_id": [_shown(r.get("session")) for r in recs],
+            "message": [_shown(r.get("message")) for r in recs],
             "rows": pa.array([r.get("rows", 0) for r in recs], pa.int64()),
             "tags": pa.array([sorted(by_commit.get(r["id"], [])) for r in recs], pa.list_(pa.string())),
         },
@@ -101,6 +113,13 @@ def commits_table(state: LogState, upto: int) -> pa.Table:
 #: Bulky columns left out of the mirror (and of the views ``T``, ``T_history``);
 #: the views ``T_full``, ``T_full_history`` add them, read from Lance.
 WIDE: dict[str, tuple[str, ...]] = {"nodes": ("embedding",), "tasks": ("embedding",), "artifacts": ("content",)}
+
+#: The relations callers' SQL may read (``usersql.check``); every other name is internal.
+PUBLIC_RELATIONS = frozenset(
+    {"commits"}
+    | {f"{name}{suffix}" for name in DATA_TABLES for suffix in ("", "_history")}
+    | {f"{name}_full{suffix}" for name in WIDE for suffix in ("", "_history")}
+)
 
 #: Mirror columns with an ART index: a filter on a constant or parameter key (the
 #: write path's existence and retry checks, ``WHERE id = $n``) probes the index
@@ -208,6 +227,7 @@ class SqlEngine:
         self._db = duckdb.connect(config=DUCKDB_CONFIG)
         #: the bytes DuckDB's block allocator keeps (see the class notes)
         self.kept_memory = self._keep_memory(keep_memory)
+        self._db.execute("SET lock_configuration = true")  # no statement may change a setting from here on
         self._lock = threading.Lock()  # guards the shared tables and the bookkeeping below
         #: per table: the snapshot the mirror (and __sup_T) covers
         self._upto: dict[str, int] = {}

@@ -169,8 +169,8 @@ class ViewSpec:
                 raise ValidationError(f"{f} must be True or False, not {getattr(self, f)!r}")
         if self.path and self.kind != "sft":
             raise ValidationError(f"path=True is an sft option (the root-to-node path); a {self.kind} view has none")
-        if not self.name or set(self.name) - _NAME_CHARS:
-            raise ValidationError(f"view name {self.name!r} must be letters, digits, '_' or '-'")
+        if not isinstance(self.name, str) or not self.name or set(self.name) - _NAME_CHARS or len(self.name) > 128:
+            raise ValidationError(f"view name {self.name!r} must be 1 to 128 letters, digits, '_' or '-'")
         if self.kind not in KINDS:
             raise ValidationError(f"unknown view kind {self.kind!r}; kinds are {', '.join(KINDS)}")
         if self.reward is None and self.kind != "sft":

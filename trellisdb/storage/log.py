@@ -12,6 +12,13 @@ Each line is ``<json>\\t<crc32 hex>\\n``. A torn last line (a crash mid-append)
 is ignored by readers and cut off by the next writer; a bad line in the middle
 is corruption: it is reported and the database refuses writes.
 
+After every append's fsync, ``commits.hwm`` (the *high-water mark*, outside the
+log) records the log's durable length, the highest id begun and the last commit
+(acknowledged only once the mark names it). A log that holds less than its mark
+says lost records: its tail was cut or damaged. That is never mistaken for a torn
+append: it is reported and writes are refused until ``trellis repair``
+(``storage/recovery.py``).
+
     >>> import tempfile, os
     >>> d = tempfile.mkdtemp()
     >>> create(os.path.join(d, "commits.log"))
@@ -27,12 +34,14 @@ import datetime as dt
 import json
 import os
 import threading
+import warnings
 import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, BinaryIO
 
-from trellisdb.errors import CorruptionError
+from trellisdb.errors import CorruptionError, TrellisWarning
+from trellisdb.names import name_problem
 
 
 def _encode(record: dict[str, Any]) -> bytes:
@@ -53,6 +62,94 @@ def _decode(line: bytes) -> dict[str, Any] | None:
     return rec if isinstance(rec, dict) else None
 
 
+#: The high-water mark's file, next to the log.
+HWM_FILE = "commits.hwm"
+
+#: Width of the mark's text before its checksum: every mark has the same length, so a
+#: rewrite in place always covers the last one.
+_HWM_WIDTH = 128
+
+
+@dataclass(frozen=True)
+class HighWaterMark:
+    """What ``commits.hwm`` says: commit ``id`` (made at ``time``) was acknowledged, id
+    ``begun`` was the highest reserved, and the log was durably ``log_size`` bytes long.
+
+    It is rewritten after the fsync of every append, so the log held at least that much
+    then, and the log only grows (a torn tail that is cut lies beyond it). A commit is
+    acknowledged once the mark names it; every commit up to ``id`` was complete then,
+    since its Lance appends finished before its commit record.
+
+    >>> m = HighWaterMark(7, 1700000000.25, 8, 1234)
+    >>> len(m.encode()) == _HWM_WIDTH + 10, HighWaterMark.decode(m.encode()) == m
+    (True, True)
+    >>> HighWaterMark.decode(m.encode().replace(b"id=7", b"id=9")) is None  # fails its checksum
+    True
+    """
+
+    id: int
+    time: float
+    begun: int
+    log_size: int
+
+    def encode(self) -> bytes:
+        body = (f"trellis-hwm 1 id={self.id} time={self.time!r} begun={self.begun} "
+                f"log_size={self.log_size}").ljust(_HWM_WIDTH)
+        return f"{body}\t{zlib.crc32(body.encode()) & 0xFFFFFFFF:08x}\n".encode()
+
+    @classmethod
+    def decode(cls, data: bytes) -> HighWaterMark | None:
+        """The mark in ``data``, or None when it is not a whole mark (a write torn by a crash)."""
+        try:
+            body, crc = data.split(b"\n", 1)[0].rsplit(b"\t", 1)
+            if int(crc, 16) != zlib.crc32(body) & 0xFFFFFFFF:
+                return None
+            magic, version, *fields = body.decode().split()
+            kv = dict(f.split("=", 1) for f in fields)
+            if (magic, version) != ("trellis-hwm", "1"):
+                return None
+            return cls(int(kv["id"]), float(kv["time"]), int(kv["begun"]), int(kv["log_size"]))
+        except (ValueError, KeyError, UnicodeDecodeError):
+            return None
+
+
+def read_hwm(path: str) -> HighWaterMark | None:
+    """The mark in file ``path``; None when there is none (a store written before marks
+    existed) or it cannot be read whole: either way nothing is known of what the log held."""
+    for _ in range(2):  # a read that overlapped a rewrite in place sees a mix: read again
+        try:
+            with open(path, "rb") as fh:
+                data = fh.read(4096)
+        except FileNotFoundError:
+            return None
+        mark = HighWaterMark.decode(data)
+        if mark is not None:
+            return mark
+    return None
+
+
+def write_hwm(path: str, mark: HighWaterMark) -> None:
+    """Rewrite the mark in place, durably (one fixed-size write and an fdatasync)."""
+    created = not os.path.exists(path)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+    try:
+        os.pwrite(fd, mark.encode(), 0)
+        getattr(os, "fdatasync", os.fsync)(fd)
+    finally:
+        os.close(fd)
+    if created:
+        sync_dir(os.path.dirname(path))
+
+
+def sync_dir(path: str) -> None:
+    """Make a file created or renamed in folder ``path`` durable."""
+    fd = os.open(path or ".", os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 @dataclass
 class LogState:
     """What the log says, as of the bytes read so far."""
@@ -63,6 +160,8 @@ class LogState:
     #: begun ids neither committed nor collected (in flight or aborted)
     open_ids: set[int] = field(default_factory=set)
     tags: dict[str, int] = field(default_factory=dict)
+    #: tags whose names break the name rules (``trellisdb/names.py``): not usable, listed by verify()
+    invalid_tags: dict[str, int] = field(default_factory=dict)
     max_id: int = 0
     last_committed: int = 0
     #: (line number, message) for damaged lines in the middle of the log
@@ -97,9 +196,15 @@ class CommitLog:
 
     def __init__(self, path: str) -> None:
         self.path = path
+        self.hwm_path = os.path.join(os.path.dirname(path), HWM_FILE)
         self._state = LogState()
         self._offset = 0
         self._lineno = 0
+        #: the file's length at the last refresh, and its identity (a repair replaces the file)
+        self._size = 0
+        self._identity: tuple[int, int] | None = None
+        #: the last whole line read, and where: a replaced file holding it there is the same log
+        self._last_line: tuple[int, bytes] = (0, b"")
         # Threads of one process share the state; two refreshing at once
         # would both apply the same bytes and move the offset twice.
         self._refreshing = threading.Lock()
@@ -113,14 +218,37 @@ class CommitLog:
         with self._refreshing:
             return self._refresh()
 
+    @property
+    def end_of_records(self) -> int:
+        """Bytes of whole lines read: the log up to a torn or damaged final line, if any."""
+        return self._offset
+
+    @property
+    def file_size(self) -> int:
+        """The file's length at the last refresh."""
+        return self._size
+
+    def reload(self) -> LogState:
+        """Forget what was read and read the log from its start (after a repair replaced it)."""
+        with self._refreshing:
+            self._state = LogState()
+            self._offset = self._lineno = self._size = 0
+            self._identity = None
+            self._last_line = (0, b"")
+            return self._refresh()
+
     def _refresh(self) -> LogState:
         try:
             with open(self.path, "rb") as fh:
+                info = os.fstat(fh.fileno())
+                self._check_same_file(fh, info)
                 fh.seek(self._offset)
                 data = fh.read()
         except FileNotFoundError as e:
             raise CorruptionError(f"commit log {self.path} is missing; restore it from a backup") from e
+        self._size = self._offset + len(data)
         if not data:
+            self._state.torn_at = None  # a torn tail read before has been cut since
             return self._state
         st = self._state
         pos = 0
@@ -142,6 +270,9 @@ class CommitLog:
                 self._apply(rec)
             self._lineno += 1
             pos = nl + 1
+        if pos:
+            start = data.rfind(b"\n", 0, pos - 1) + 1
+            self._last_line = (self._offset + start, data[start:pos])
         self._offset += pos
         return st
 
@@ -160,32 +291,144 @@ class CommitLog:
             st.max_id = max(st.max_id, cid)
             st.last_committed = max(st.last_committed, cid)
         elif op == "tag":
-            st.tags[str(rec["name"])] = int(rec["id"])
+            name = str(rec["name"])
+            st.tags.pop(name, None)
+            st.invalid_tags.pop(name, None)
+            # a name no check let through (a store written before names were checked): kept
+            # apart, so that every read does not fail on it; verify() names it
+            (st.invalid_tags if name_problem(name) else st.tags)[name] = int(rec["id"])
         elif op == "untag":
             st.tags.pop(str(rec["name"]), None)
+            st.invalid_tags.pop(str(rec["name"]), None)
         elif op == "collected":
             ids = [int(i) for i in rec["ids"]]
             st.collected.update(ids)
             st.open_ids.difference_update(ids)
 
-    def repair_tail(self) -> None:
-        """Cut a torn final line off (call only while holding the writer lock)."""
-        self.refresh()
-        if self._state.torn_at is not None:
+    def _check_same_file(self, fh: BinaryIO, info: os.stat_result) -> None:
+        """Refuse a log that shrank below what was read, or was replaced by one that differs
+        there, since the last read: records this process holds may be gone, and reading on
+        would misread lines. (A repair that only appended to the part read is no change.)"""
+        identity = (info.st_dev, info.st_ino)
+        if self._identity is not None and identity != self._identity:
+            start, line = self._last_line
+            fh.seek(start)
+            if fh.read(len(line)) != line:
+                raise CorruptionError(
+                    f"commit log {self.path} was replaced while this process had it open (by `trellis repair` "
+                    "in another process, or by hand), and what this process read is not where it was; open "
+                    "the database again"
+                )
+        self._identity = identity
+        if info.st_size < self._offset:
+            raise CorruptionError(
+                f"commit log {self.path} shrank to {info.st_size} bytes while this process had read "
+                f"{self._offset}: records it had read are gone. Open the database again; `trellis verify` "
+                "names what was lost and `trellis repair` recovers what the tables still hold"
+            )
+
+    def acknowledged(self) -> HighWaterMark | None:
+        """The high-water mark (read it *before* a refresh that it is compared with)."""
+        return read_hwm(self.hwm_path)
+
+    def lost(self, mark: HighWaterMark | None) -> str | None:
+        """What the log lacks of what ``mark`` says it held, or None (nothing, or no mark).
+
+        Call right after a refresh that followed reading ``mark``: the log only grows once a mark
+        is written, so a log read later that holds less lost records.
+        """
+        if mark is None:
+            return None
+        last = self._state.last_committed
+        what = []
+        if mark.id > last:
+            what.append(f"it ends at commit {last}, but commit {mark.id} was acknowledged")
+        if self._offset < mark.log_size:
+            if self._size < mark.log_size:
+                what.append(f"it is {self._size} bytes long, but {mark.log_size} were written (its tail was cut)")
+            else:
+                what.append(f"its last line, line {self._lineno + 1} (at byte {self._offset}), is damaged, and it "
+                            "was written whole")
+        if not what:
+            return None
+        return f"commit log {self.path} lost records ({HWM_FILE} says so): {'; '.join(what)}"
+
+    def repair_tail(self) -> HighWaterMark | None:
+        """Cut a torn final line off (call only while holding the writer lock); return the mark.
+
+        A tail whose cut would lose what the mark says was written whole is damage, not a torn
+        append: it is left as it is and ``CorruptionError`` refuses the write.
+        """
+        mark = self.acknowledged()
+        st = self.refresh()
+        lost = self.lost(mark)
+        if lost:
+            raise CorruptionError(
+                f"{lost}. Writes are refused until db.repair() (`trellis repair`) recovers the acknowledged "
+                f"commits the tables still hold; reads still work, as of commit {st.last_committed}"
+            )
+        if st.torn_at is not None:
             with open(self.path, "r+b") as fh:
-                fh.truncate(self._state.torn_at)
+                fh.truncate(st.torn_at)
                 os.fsync(fh.fileno())
-            self._state.torn_at = None
+            st.torn_at = None
+            self._size = self._offset
+        return mark
+
+    def rewrite(self, keep: int, records: list[dict[str, Any]]) -> LogState:
+        """Keep the whole, intact lines of the first ``keep`` bytes of the log, then ``records``
+        (writer lock held); read it again and set the mark to its last commit. Only a repair does
+        this (after copying the log aside).
+
+        The new log is written aside and renamed over the old one: a crash leaves one or the
+        other, and a process that had the old one open is told it was replaced (it must open
+        the database again) instead of reading shifted lines.
+        """
+        with open(self.path, "rb") as fh:
+            head = fh.read(keep)
+        good = [line for line in head.splitlines(keepends=True) if _decode(line) is not None]
+        tmp = self.path + ".repair"
+        with open(tmp, "wb") as fh:
+            fh.write(b"".join(good) + b"".join(_encode(r) for r in records))
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, self.path)
+        sync_dir(os.path.dirname(self.path))
+        st = self.reload()
+        at = float(st.commits[st.last_committed]["time"]) if st.last_committed else 0.0
+        write_hwm(self.hwm_path, HighWaterMark(st.last_committed, at, st.max_id, self._size))
+        return st
 
     def append(self, records: list[dict[str, Any]]) -> None:
-        """Append records durably (call only while holding the writer lock)."""
+        """Append records durably (call only while holding the writer lock, after a refresh);
+        then rewrite the high-water mark (a ``commit`` is acknowledged from then on)."""
         payload = b"".join(_encode(r) for r in records)
         fd = os.open(self.path, os.O_WRONLY | os.O_APPEND)
         try:
             os.write(fd, payload)
             os.fsync(fd)
+            end = os.fstat(fd).st_size  # under the writer lock: no one appended after us
         finally:
             os.close(fd)
+        self._mark(records, end)
+
+    def _mark(self, records: list[dict[str, Any]], end: int) -> None:
+        st = self._state
+        cid, at = st.last_committed, float(st.commits[st.last_committed]["time"]) if st.last_committed else 0.0
+        begun = st.max_id
+        for r in records:
+            if r.get("op") in ("begin", "commit"):
+                begun = max(begun, int(r["id"]))
+            if r.get("op") == "commit" and int(r["id"]) >= cid:
+                cid, at = int(r["id"]), float(r["time"])
+        try:
+            write_hwm(self.hwm_path, HighWaterMark(cid, at, begun, end))
+        except OSError as e:
+            # Past the commit point: raising would make a caller retry a commit that is durable.
+            # A stale mark is only a weaker witness (a later loss of these records goes unnoticed
+            # until verify scans the tables); the next append rewrites it.
+            warnings.warn(TrellisWarning(f"could not update {self.hwm_path} ({e}); the records are durable, "
+                                         "but their witness is stale"), stacklevel=3)
 
 
 def create(path: str) -> None:

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 
-from trellisdb.errors import QueryError, UnknownNodeError
+from trellisdb.errors import QueryError, QueryNameError, ReadOnlyError, UnknownNodeError
 from trellisdb.graph import EMPTY_FOUND
 from trellisdb.result import Result
 from trellisdb.tql import ast as A
@@ -110,13 +110,10 @@ def catalog(db: Database) -> Catalog:
 
 
 def prepare(db: Database, text: str, params: Mapping[str, Any]) -> tuple[Bound, Plan, Compiled]:
-    q = parse(text)
-    try:
-        bound = resolve(q, catalog(db), params)
-        plan = build(bound)
-        return bound, plan, compile_plan(plan)
-    except RecursionError:
-        raise QueryError("the query nests too deeply to compile; simplify the expression") from None
+    q = parse(text)  # within the size limits of tql/parser.py, the later stages stay shallow
+    bound = resolve(q, catalog(db), params)
+    plan = build(bound)
+    return bound, plan, compile_plan(plan)
 
 
 def explain_text(db: Database, bound: Bound, plan: Plan, compiled: Compiled, search: str | None = None) -> str:
@@ -156,11 +153,9 @@ def view_command(db: Database, c: A.ViewCommand, params: Mapping[str, Any]) -> Q
     elif c.action == "refresh":
         entry = db.refresh(name)
     elif c.action == "export":
-        assert isinstance(c.path, A.Literal)
-        if not isinstance(c.path.value, str):
-            raise QueryError("EXPORT ... TO takes a path in quotes, e.g. EXPORT pairs TO 'out/pairs'")
-        m = db.export(name, c.path.value, c.format or "trl", **dict(c.options))
-        entry = {"name": name, "path": c.path.value, "format": m["format"], "commit": m["commit"], "rows": m["rows"],
+        path = _export_path(c.path, params)
+        m = db.export(name, db.export_target(path), c.format or "trl", **_export_options(c.options))
+        entry = {"name": name, "path": path, "format": m["format"], "commit": m["commit"], "rows": m["rows"],
                  "counts": json.dumps(m["counts"]), "layout": m["layout"]}
     else:
         db.drop_view(name)
@@ -170,9 +165,54 @@ def view_command(db: Database, c: A.ViewCommand, params: Mapping[str, Any]) -> Q
     return QueryResult.of_command(pa.Table.from_pylist([row]), db)
 
 
+_STATEMENTS = {"create": "CREATE VIEW", "materialize": "MATERIALIZE", "refresh": "REFRESH", "export": "EXPORT",
+               "drop": "DROP VIEW"}
+
+#: The options of ``EXPORT ... WITH``: name -> (check, what it takes).
+_EXPORT_OPTIONS: dict[str, tuple[Any, str]] = {
+    "validation": (lambda v: isinstance(v, int | float) and not isinstance(v, bool) and 0 <= v < 1,
+                   "a fraction in [0, 1)"),
+    "overwrite": (lambda v: isinstance(v, bool), "true or false"),
+    "skip_missing": (lambda v: isinstance(v, bool), "true or false"),
+}
+
+
+def _export_options(options: tuple[tuple[str, Any], ...]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in options:
+        if key not in _EXPORT_OPTIONS:
+            raise QueryError(f"EXPORT has no option {key!r}; its options are {', '.join(_EXPORT_OPTIONS)}")
+        ok, what = _EXPORT_OPTIONS[key]
+        if not ok(value):
+            raise QueryError(f"EXPORT option {key} takes {what}, not {value!r}")
+        out[key] = value
+    return out
+
+
+def _export_path(path: A.Value | None, params: Mapping[str, Any]) -> str:
+    """The folder an EXPORT names, as written (a 'literal' or a $parameter): relative to the
+    export root, which ``Database.export_target`` resolves and confines."""
+    value: object = None
+    if isinstance(path, A.Literal):
+        value = path.value
+    elif isinstance(path, A.Param):
+        if path.name not in params:
+            raise QueryNameError(f"EXPORT ... TO ${path.name}: no value was given for ${path.name}")
+        value = params[path.name]
+    if not isinstance(value, str):
+        raise QueryError("EXPORT ... TO takes a folder path in quotes (or a $parameter holding one), relative to the "
+                         "export root, e.g. EXPORT pairs TO 'pairs'")
+    return value
+
+
 def run(db: Database, text: str, params: Mapping[str, Any]) -> QueryResult:
     q = parse(text)
     if isinstance(q.statement, A.ViewCommand):
+        if db.read_only and q.statement.action != "show":
+            raise ReadOnlyError(
+                f"{_STATEMENTS[q.statement.action]} changes the database, and this handle is read-only "
+                "(read_only=True, trellis --read-only); queries and SHOW VIEWS are what it runs"
+            )
         return view_command(db, q.statement, params)
     bound, plan, compiled = prepare(db, text, params)
     st = db._log.refresh()

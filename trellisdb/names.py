@@ -1,0 +1,131 @@
+"""The rules for every string that reaches disk, checked at the call that brings it.
+
+Two kinds of string are stored:
+
+- a **name** (an id, a tag, a channel, a kind, a status, a role, a view, a
+  space, a judge, a verifier, ...): valid UTF-8, not empty, at most
+  ``MAX_NAME_BYTES`` bytes, and without control characters (``\\x00``-``\\x1f``,
+  ``\\x7f``-``\\x9f``), line or paragraph separators, or the bidirectional
+  overrides that make a name print as another;
+- a **text** (a summary, a spec, a config, a commit message, an artifact
+  given as ``str``): any valid UTF-8.
+
+Python strings can hold what UTF-8 cannot (a lone surrogate such as
+``'\\ud800'``); such a string accepted at a call would fail only when its
+batch is committed, or, in the commit log, at every later read. A
+``ValidationError`` naming the field is raised instead::
+
+    >>> check_name("kern-7", "session id")
+    'kern-7'
+    >>> check_name("", "reward channel")
+    Traceback (most recent call last):
+    ...
+    trellisdb.errors.ValidationError: reward channel must not be empty (got '')
+    >>> check_name("a\\tb", "tag name")
+    Traceback (most recent call last):
+    ...
+    trellisdb.errors.ValidationError: tag name 'a\\tb' contains the control character U+0009; names are printable text
+    >>> check_text("\\ud800", "summary")
+    Traceback (most recent call last):
+    ...
+    trellisdb.errors.ValidationError: summary is not valid UTF-8 text (a lone surrogate at position 0: U+D800)
+
+``bad_names`` applies the name rules to a whole Arrow column at once (bulk
+ingest).
+"""
+
+from __future__ import annotations
+
+import re
+
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from trellisdb.errors import ValidationError
+
+#: The longest name, in UTF-8 bytes. Ids of real runs are UUIDs or paths of a
+#: few dozen characters; a name is a key, not a document.
+MAX_NAME_BYTES = 512
+
+#: Characters no name may hold: C0 and C1 controls, line and paragraph separators,
+#: and the bidirectional embeddings, overrides and isolates.
+_FORBIDDEN = "\x00-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069"
+_FORBIDDEN_RE = re.compile(f"[{_FORBIDDEN}]")
+#: The same class for Arrow's RE2 (which takes ``\\x{...}`` escapes).
+_FORBIDDEN_RE2 = r"[\x{0}-\x{1f}\x{7f}-\x{9f}\x{2028}\x{2029}\x{202a}-\x{202e}\x{2066}-\x{2069}]"
+
+
+def utf8_problem(value: str) -> str | None:
+    """Why ``value`` cannot be written as UTF-8 (None: it can)."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        return f"a lone surrogate at position {e.start}: U+{ord(value[e.start]):04X}"
+    return None
+
+
+def check_text(value: object, what: str, *, optional: bool = True) -> str | None:
+    """``value`` if it is a string that UTF-8 can hold (or None, when ``optional``)."""
+    if value is None and optional:
+        return None
+    if not isinstance(value, str):
+        raise ValidationError(f"{what} must be a string, got {type(value).__name__} {value!r}")
+    problem = utf8_problem(value)
+    if problem:
+        raise ValidationError(f"{what} is not valid UTF-8 text ({problem})")
+    return value
+
+
+def check_name(value: object, what: str, *, optional: bool = False) -> str | None:
+    """``value`` if it is an acceptable name (or None, when ``optional``); see the module notes."""
+    if value is None and optional:
+        return None
+    if not isinstance(value, str):
+        raise ValidationError(f"{what} must be a string, got {type(value).__name__} {value!r}")
+    if not value:
+        raise ValidationError(f"{what} must not be empty (got '')")
+    problem = utf8_problem(value)
+    if problem:
+        raise ValidationError(f"{what} {value!r} is not valid UTF-8 ({problem}); names are text")
+    if len(value) * 4 > MAX_NAME_BYTES and len(value.encode("utf-8")) > MAX_NAME_BYTES:
+        raise ValidationError(
+            f"{what} is {len(value.encode('utf-8'))} bytes long ({value[:40]!r}...); names are at most "
+            f"{MAX_NAME_BYTES} bytes: put long text in a summary, spec or artifact"
+        )
+    m = _FORBIDDEN_RE.search(value)
+    if m:
+        raise ValidationError(
+            f"{what} {value!r} contains the control character U+{ord(m.group()):04X}; names are printable text"
+        )
+    return value
+
+
+def name_problem(value: str) -> str | None:
+    """Why the stored string ``value`` is not an acceptable name (None: it is)."""
+    try:
+        check_name(value, "name")
+    except ValidationError as e:
+        return str(e).removeprefix("name ")
+    return None
+
+
+def bad_names(column: pa.ChunkedArray | pa.Array, what: str) -> None:
+    """Raise for the first value of a string ``column`` that breaks the name rules (nulls pass):
+    vectorized, for whole tables."""
+    if isinstance(column, pa.ChunkedArray):
+        column = column.combine_chunks()
+    if pa.types.is_list(column.type) or pa.types.is_large_list(column.type):
+        column = pc.list_flatten(column)
+    if not len(column) or column.null_count == len(column):
+        return
+    try:
+        column.validate(full=True)  # UTF-8 of every value
+    except pa.ArrowInvalid as e:
+        raise ValidationError(f"{what} holds a value that is not valid UTF-8 ({e}); names are text") from None
+    bad = pc.or_kleene(
+        pc.or_kleene(pc.equal(pc.binary_length(column), 0), pc.greater(pc.binary_length(column), MAX_NAME_BYTES)),
+        pc.match_substring_regex(column, _FORBIDDEN_RE2),
+    )
+    if pc.any(bad).as_py():
+        first = pc.filter(column, bad)[0].as_py()
+        check_name(first, what)  # raises with the value's own reason
