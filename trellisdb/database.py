@@ -143,8 +143,9 @@ def connect(
         path = os.fspath(path)
     except TypeError:
         raise ValidationError(f"connect takes a folder path, not {type(path).__name__}") from None
-    if not isinstance(path, str) or not path or "\x00" in path or check_text(path, "database path") is None:
+    if not isinstance(path, str) or not path or "\x00" in path:
         raise ValidationError(f"database path {path!r} must be a non-empty text path without NUL characters")
+    check_text(path, "database path")
     return Database(
         path,
         embedding_dim=embedding_dim,
@@ -359,15 +360,15 @@ class Database:
     def _session_row(self, session_id: str) -> dict[str, Any] | None:
         """The latest row of a session (pending or committed), or None."""
         with self._state_lock:
-            for b in (getattr(self._tx, "batch", None), self._pending):
-                if b is not None and session_id in b.sessions:
+            for b in self._batches():
+                if session_id in b.sessions:
                     return dict(b.sessions[session_id])
         rows = self._lookup("SELECT * EXCLUDE (commit_id) FROM sessions WHERE id = $1", [session_id])
         return rows[0] if rows else None
 
     def _max_step(self, session_id: str) -> int:
         rows = self._lookup("SELECT coalesce(max(step), 0) AS s FROM nodes WHERE session_id = $1", [session_id])
-        pending = [r["step"] or 0 for b in (getattr(self._tx, "batch", None), self._pending) if b is not None
+        pending = [r["step"] or 0 for b in self._batches()
                    for r in b.nodes.values() if r["session_id"] == session_id]
         return max([int(rows[0]["s"]), *pending])
 
@@ -470,6 +471,11 @@ class Database:
                     b.nodes[node_id] = row
                 row["status"] = status
 
+    def _batches(self) -> list[Batch]:
+        """The batches holding this thread's uncommitted writes: its transaction's (if one), then the group's."""
+        tx = getattr(self._tx, "batch", None)
+        return [self._pending] if tx is None else [tx, self._pending]
+
     def _writable(self, what: str) -> None:
         if self.read_only:
             raise ReadOnlyError(
@@ -549,18 +555,12 @@ class Database:
             if not len(batch):
                 return None
             try:
-                cid = self._commit(batch, message=None)
+                cid = self._commit_once(batch, None)
             except BaseException as e:
-                if batch.commit_id is not None:  # past the commit point: the writes are durable
-                    self._failure = None
-                    return batch.commit_id
                 # Nothing was staged meanwhile (we hold the state lock): the batch is the pending one again.
                 self._pending = batch
                 self._failure = _Failure(e, set(batch.writers))
-                if isinstance(e, TrellisError):
-                    raise
-                raise CommitError(f"the commit of {len(batch)} pending writes failed: {e}; they are kept and "
-                                  "retried by the next flush") from e
+                raise
             self._failure = None
             self._retry_delay = 0.0
             return cid
@@ -926,8 +926,7 @@ class Database:
             b.vectors.setdefault(sp.table, []).append((ids, mat))
 
     def _pending_task(self, task_id: str) -> bool:
-        tx = getattr(self._tx, "batch", None)
-        return task_id in self._pending.tasks or (tx is not None and task_id in tx.tasks)
+        return any(task_id in b.tasks for b in self._batches())
 
     def embed(
         self,
@@ -1245,11 +1244,8 @@ class Database:
             return self._missing_nodes_locked(ids)
 
     def _missing_nodes_locked(self, ids: list[str]) -> list[str]:
-        pending: set[str] = set(self._pending.nodes)
-        tx = getattr(self._tx, "batch", None)
-        if tx is not None:
-            pending |= set(tx.nodes)
-        todo = [i for i in ids if i not in pending and i not in self._known_nodes]
+        batches = self._batches()
+        todo = [i for i in ids if i not in self._known_nodes and not any(i in b.nodes for b in batches)]
         if not todo:
             return []
         found = {
@@ -1267,9 +1263,8 @@ class Database:
         """The latest row of each node (pending or committed) by id; unknown ids are absent."""
         out: dict[str, dict[str, Any]] = {}
         with self._state_lock:
-            for b in (getattr(self._tx, "batch", None), self._pending):
-                if b is not None:
-                    out.update((i, b.nodes[i]) for i in ids if i in b.nodes and i not in out)
+            for b in self._batches():
+                out.update((i, b.nodes[i]) for i in ids if i in b.nodes and i not in out)
             todo = [i for i in ids if i not in out]
             if len(todo) == 1:
                 rows = self._lookup(
@@ -1292,11 +1287,10 @@ class Database:
     def _comparison_row(self, comparison_id: str) -> dict[str, Any] | None:
         """The latest row of a comparison (pending or committed), or None."""
         with self._state_lock:
-            for b in (getattr(self._tx, "batch", None), self._pending):
-                if b is not None:
-                    row = next((r for r in reversed(b.rows["comparisons"]) if r["id"] == comparison_id), None)
-                    if row is not None:
-                        return dict(row)
+            for b in self._batches():
+                row = next((r for r in reversed(b.rows["comparisons"]) if r["id"] == comparison_id), None)
+                if row is not None:
+                    return dict(row)
         rows = self._lookup("SELECT * EXCLUDE (commit_id) FROM comparisons WHERE id = $1", [comparison_id])
         return rows[0] if rows else None
 
@@ -1304,8 +1298,8 @@ class Database:
         """The first row written for a node and its ``edge_kind`` parents from
         that same write: what an idempotent retry of ``add_node`` must match."""
         with self._state_lock:
-            for b in (getattr(self._tx, "batch", None), self._pending):
-                if b is not None and node_id in b.added:
+            for b in self._batches():
+                if node_id in b.added:
                     parents = {e["src"] for e in b.rows["edges"] if e["dst"] == node_id and e["kind"] == edge_kind}
                     return b.nodes[node_id], parents
             rows = self._lookup(
@@ -1339,12 +1333,10 @@ class Database:
     # ------------------------------------------------------------- maintenance
     def verify(self) -> list[str]:
         """Check every file; return problems, each naming the file (empty: healthy)."""
-        st = self._log.refresh()
-        problems = [msg for _, msg in st.problems]
+        problems = self._guard.problems()  # damaged lines, lost records, stranded rows
         problems += [f"{self._log.path}: tag {name!r} (commit {cid}) has a name no tag may have "
                      f"({name_problem(name)}); remove it with db.untag({name!r})"
-                     for name, cid in list(st.invalid_tags.items())]
-        problems += [p for p in self._guard.problems() if p not in problems]  # lost records, stranded rows
+                     for name, cid in list(self._log.refresh().invalid_tags.items())]
         for name in self._all_tables():
             problems.extend(self._tables.verify(name))
         return problems
