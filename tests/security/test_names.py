@@ -29,7 +29,7 @@ BAD = {
 
 @pytest.fixture
 def db(tmp_path: Path) -> trellisdb.Database:
-    d = trellisdb.connect(tmp_path / "db", embedding_dim=4)
+    d = trellisdb.connect(tmp_path / "db", embedding_dim=4, commit_delay=60)  # one commit, by the flush below
     s = d.session(task="t", agent="a", id="s")
     s.add_node(id="n1")
     s.add_node(id="n2")
