@@ -3,13 +3,14 @@
 trellis [--db PATH] [--read-only] [--export-root DIR] init | log | sql TEXT | query TQL | explain TQL
     | tag NAME [--move] | untag NAME | compact | verify | repair | demo
     | views | create-view NAME KIND -o K=V ... | materialize NAME | refresh NAME | export NAME PATH
+
+`output` prints the rows (the demo prints through it too); `demo` is `trellis demo`, imported
+when that command runs.
 """
 
 from __future__ import annotations
 
 import argparse
-import csv
-import io
 import json
 import os
 import sys
@@ -18,43 +19,14 @@ from typing import Any
 
 import pyarrow as pa
 
+from trellisdb.cli.output import format_table
 from trellisdb.errors import TrellisError
+
+__all__ = ["build_parser", "format_table", "main"]
 
 
 def _default_db() -> str:
     return os.environ.get("TRELLIS_DB", "./trellis.db")
-
-
-def _cell(v: Any) -> str:
-    if v is None:
-        return ""
-    if isinstance(v, bytes):
-        return f"<{len(v)} bytes>"
-    if isinstance(v, float):
-        return f"{v:.6g}"
-    s = str(v)
-    return s if len(s) <= 60 else s[:57] + "..."
-
-
-def format_table(t: pa.Table, fmt: str) -> str:
-    rows = t.to_pylist()
-    if fmt == "json":
-        return "\n".join(json.dumps(r, default=str) for r in rows)
-    if fmt == "csv":
-        buf = io.StringIO()
-        w = csv.DictWriter(buf, fieldnames=t.column_names)
-        w.writeheader()
-        for r in rows:
-            w.writerow({k: _cell(v) if isinstance(v, bytes) else v for k, v in r.items()})
-        return buf.getvalue().rstrip("\n")
-    cols = t.column_names
-    cells = [[_cell(r[c]) for c in cols] for r in rows]
-    widths = [max([len(c)] + [len(row[i]) for row in cells]) for i, c in enumerate(cols)]
-    line = "  ".join(c.ljust(w) for c, w in zip(cols, widths, strict=True))
-    out = [line, "  ".join("-" * w for w in widths)]
-    out += ["  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)) for row in cells]
-    out.append(f"({len(rows)} row{'s' if len(rows) != 1 else ''})")
-    return "\n".join(out)
 
 
 def _param(text: str) -> tuple[str, Any]:
@@ -118,7 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("verify", help="read every file; report damage")
     sub.add_parser("repair", help="recover acknowledged commits a damaged commit log lost (copies go to lost+found/)")
     sub.add_parser("views", help="list the training-data views")
-    cv = sub.add_parser("create-view", help="declare a training-data view (kinds and options: trellisdb/views.py)")
+    cv = sub.add_parser("create-view", help="declare a training-data view (kinds and options: trellisdb/training/kinds/)")
     cv.add_argument("name")
     cv.add_argument("kind", help="sft | preference | grpo | kto | stepwise | replay")
     cv.add_argument("--opt", "-o", action="append", default=[], metavar="NAME=VALUE",
@@ -163,7 +135,7 @@ def _run(args: argparse.Namespace, path: str) -> int:
         print(f"initialized {path} (embedding dimension {db.embedding_dim})")
         return 0
     if args.command == "demo":
-        from trellisdb.demo import run_demo
+        from trellisdb.cli.demo import run_demo
 
         run_demo(path, sessions=args.sessions, steps=args.steps)
         return 0

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import random
 
-from trellisdb.cli import format_table
+from trellisdb.cli.output import format_table
 from trellisdb.database import Database, connect
 
 IDEAS = (
