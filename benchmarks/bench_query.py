@@ -176,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     db.query(TQL["frontier"])
     cold_ms = (time.perf_counter() - t0) * 1e3
-    mem = db._engine._db.execute("SELECT sum(memory_usage_bytes) FROM duckdb_memory()").fetchone()
+    mem = db._store.engine._db.execute("SELECT sum(memory_usage_bytes) FROM duckdb_memory()").fetchone()
     mirror_mb = (mem[0] if mem and mem[0] else 0) / 2**20
     con, hand = hand_sql(pq_paths)
     # a deep node (the last node of the first session) for lineage; the first session for scoped queries

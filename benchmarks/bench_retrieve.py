@@ -41,6 +41,7 @@ from lancedb.index import IvfSq  # noqa: E402
 
 import trellisdb  # noqa: E402  (first: it quiets Lance's logging before lance loads)
 from trellisdb import vectors  # noqa: E402
+from trellisdb.writer import set_status  # noqa: E402
 
 K = 10
 
@@ -123,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     # status changes re-write 10% of the node rows (their vectors too): superseded versions, as in a live store
     sample = ids[0].to_pylist()[:: 10] if len(ids) == 1 else pa.concat_arrays(ids).to_pylist()[::10]
     with db.transaction(message="statuses"):
-        db._set_status(sample, "expanded")
+        set_status(db._committer, sample, "expanded")  # internal: one statement for 10% of the nodes
     db.compact()
     all_ids = pa.concat_arrays(ids)
     x = np.concatenate(mats)
@@ -132,11 +133,11 @@ def main(argv: list[str] | None = None) -> int:
 
     # -- 3. index build and the writes meanwhile
     base_rate = commit_rate(db, 3.0 if not args.smoke else 0.5)
-    sp = db._space("embedding", "nodes")
+    sp = db._reads.space("embedding", "nodes")
     t0 = time.perf_counter()
-    db._indexer.poke(sp, force="create")
-    during = commit_rate(db, 3600, stop=lambda: db._indexer.wait(0))
-    db._indexer.wait()
+    db._vectors.indexer.poke(sp, force="create")
+    during = commit_rate(db, 3600, stop=lambda: db._vectors.indexer.wait(0))
+    db._vectors.indexer.wait()
     build_s = time.perf_counter() - t0
     st = db.index_status()[0]
     log(f"index built in {build_s:.1f} s ({st}); commits/s {base_rate:.1f} before, {during:.1f} during")

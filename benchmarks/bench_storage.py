@@ -94,7 +94,7 @@ def log(msg: str) -> None:
 
 def fragments(db: Any, name: str) -> int | None:
     try:
-        return int(db._tables.fragment_count(name))  # internal, for reporting only
+        return int(db._store.tables.fragment_count(name))  # internal, for reporting only
     except Exception:
         return None
 

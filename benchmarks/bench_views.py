@@ -45,8 +45,8 @@ import pyarrow.parquet as pq  # noqa: E402
 from generator import ExperienceGraph, GeneratorConfig  # noqa: E402
 
 import trellisdb  # noqa: E402
-from trellisdb import export as export_mod  # noqa: E402
-from trellisdb import views  # noqa: E402
+from trellisdb.training import export as export_mod  # noqa: E402
+from trellisdb.training.kinds import ROW_KEYS  # noqa: E402
 
 CH = "combined_score"
 #: The texts each view's rows name (joined to the hand SQL's rows by their ``<col>_hash``).
@@ -142,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     # the hand SQL on a stock DuckDB; and on one that keeps its memory as the store's does
     # (connect(keep_memory=...)): the same engine with the same allocator setting (reported)
     con = duckdb.connect()
-    kept_con = duckdb.connect(config={"block_allocator_memory": f"{db._engine.kept_memory} bytes"})
+    kept_con = duckdb.connect(config={"block_allocator_memory": f"{db._store.engine.kept_memory} bytes"})
     # the artifacts' texts, for the end-to-end baseline (figure 2b)
     pq.write_table(db.sql("SELECT hash, decode(content) AS text FROM artifacts_full").to_arrow(),
                    os.path.join(pdir, "artifacts.parquet"))
@@ -167,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
             reps, lambda n=name: db.materialize(n), lambda k=kind: hand(HAND[k]), lambda k=kind: hand(with_texts(k)),
             lambda k=kind: hand(with_texts(k), c=kept_con))
         mine = db.view(name).to_arrow()
-        keys = views.ROW_KEYS[kind]
+        keys = ROW_KEYS[kind]
         same = t.num_rows == mine.num_rows and t.select(list(keys)).sort_by([(k, "ascending") for k in keys]).equals(
             mine.select(list(keys)))
         assert same, f"{kind}: hand SQL gives {t.num_rows} rows, the view {mine.num_rows}"
@@ -265,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
         bare_ts.append(after_materialize(bare)()["_s"])
     bare.close()
     ours, base = statistics.median(kept_ts), statistics.median(bare_ts)
-    rows.append({"measure": f"refresh groups after a materialize, keep_memory={db._engine.kept_memory >> 20} MiB "
+    rows.append({"measure": f"refresh groups after a materialize, keep_memory={db._store.engine.kept_memory >> 20} MiB "
                  "vs keep_memory=0", "mine_s": ours, "base_s": base, "ratio": ours / base, "target": "(reported)"})
     res["rows"] = rows
     os.makedirs(os.path.join(HERE, "out"), exist_ok=True)

@@ -125,7 +125,7 @@ def test_sigkill_at_random_moments_loses_nothing_acknowledged(tmp_path: Path) ->
         s.add_node(id="after-crash", summary="still writable")
     assert tx.commit_id is not None
     assert db.sql("SELECT count(*) AS c FROM nodes WHERE id = 'after-crash'").to_pylist() == [{"c": 1}]
-    st = db._log.refresh()
+    st = db._store.log.refresh()
     uncollected = [i for i in st.begun if i not in st.commits and i not in st.collected]
     assert uncollected == []
     # the kills did land inside commits (between begin and commit) at least once
@@ -175,7 +175,7 @@ def test_sigkill_then_a_damaged_log_tail_loses_nothing_acknowledged(tmp_path: Pa
         acks.append(tmp_path / f"ack{round_no}")
         _kill_mid_run(dbp, acks[-1], f"d{round_no}", rng.uniform(0.3, 0.8))
         probe = trellisdb.connect(dbp, mirror=False)
-        used = max(used, probe._log.refresh().max_id)
+        used = max(used, probe._store.log.refresh().max_id)
         probe.close()
         _damage_tail(dbp / "commits.log", how, rng)
         with warnings.catch_warnings(record=True) as caught:
@@ -202,7 +202,7 @@ def test_sigkill_then_a_damaged_log_tail_loses_nothing_acknowledged(tmp_path: Pa
             db.session(task="crash-task", agent="after").add_node(id=f"after-{round_no}", summary="after")
         assert tx.commit_id is not None and tx.commit_id > used, (tx.commit_id, used)
         used = tx.commit_id
-        st = db._log.refresh()
+        st = db._store.log.refresh()
         for name in trellisdb.schema.DATA_TABLES:  # no stranded row is left to come back
             ids = set(lance.dataset(str(dbp / "tables" / f"{name}.lance")).to_table(columns=["commit_id"])
                       .column("commit_id").to_pylist())

@@ -37,7 +37,7 @@ def test_mirror_equals_lance_at_every_commit(tmp_path: Path, monkeypatch: pytest
     w.add_reward("b", "score", 0.5)
     db.flush()
     # a commit that fails after writing part of its rows: its id stays open (aborted)
-    real_append = db._tables.append
+    real_append = db._store.tables.append
     calls = {"n": 0}
 
     def failing(name: str, data: Any) -> None:
@@ -46,11 +46,11 @@ def test_mirror_equals_lance_at_every_commit(tmp_path: Path, monkeypatch: pytest
             raise OSError("disk full")
         real_append(name, data)
 
-    monkeypatch.setattr(db._tables, "append", failing)
+    monkeypatch.setattr(db._store.tables, "append", failing)
     with pytest.raises(trellisdb.CommitError, match="disk full"), db.transaction():
         w.add_node(id="ghost", parents=["a"])
         w.add_reward("ghost", "score", 9.0)
-    monkeypatch.setattr(db._tables, "append", real_append)
+    monkeypatch.setattr(db._store.tables, "append", real_append)
     w.set_status("a", "expanded")
     w.add_reward("b", "score", 0.75)  # supersedes the earlier value
     w.close()
@@ -64,7 +64,7 @@ def test_mirror_equals_lance_at_every_commit(tmp_path: Path, monkeypatch: pytest
                 assert plain.sql(f"SELECT * FROM {view} ORDER BY ALL", as_of=at).to_pylist() == mirror, (at, view)
     assert [r["value"] for r in db.sql("SELECT value FROM rewards").to_pylist()] == [0.75]
     # every table was served from the mirror (a failed refresh falls back to Lance scans silently)
-    assert db._engine._broken == set() and set(db._engine._upto) == set(DATA_TABLES)
+    assert db._store.engine._broken == set() and set(db._store.engine._upto) == set(DATA_TABLES)
     frontier = "FRONTIER RANK BY reward('score') DESC RETURN id, reward('score') AS s"
     assert db.query(frontier).to_pylist() == plain.query(frontier).to_pylist() == [{"id": "b", "s": 0.75}]
     plain.close()
@@ -116,7 +116,7 @@ def test_rows_a_reader_saw_in_flight_are_mirrored_once_committed(tmp_path: Path,
     assert reader.sql("SELECT count(*) AS n FROM nodes").to_pylist() == [{"n": 1}]
     w.add_node(id="a2")  # a commit the reader has not mirrored yet: its next query refreshes
     db.flush()
-    real_append = db._tables.append
+    real_append = db._store.tables.append
     seen: list[Any] = []
 
     def append_then_read(name: str, data: Any) -> None:
@@ -124,18 +124,18 @@ def test_rows_a_reader_saw_in_flight_are_mirrored_once_committed(tmp_path: Path,
         if name == "nodes":  # rows on disk, commit record not yet written
             seen.append(reader.sql("SELECT id FROM nodes ORDER BY id").to_pylist())
 
-    monkeypatch.setattr(db._tables, "append", append_then_read)
+    monkeypatch.setattr(db._store.tables, "append", append_then_read)
     w.add_node(id="b", parents=["a"])
     w.add_reward("b", "score", 1.0)
     db.flush()
-    monkeypatch.setattr(db._tables, "append", real_append)
+    monkeypatch.setattr(db._store.tables, "append", real_append)
     assert seen == [[{"id": "a"}, {"id": "a2"}]]
     assert reader.sql("SELECT id FROM nodes ORDER BY id").to_pylist() == [{"id": "a"}, {"id": "a2"}, {"id": "b"}]
     assert reader.sql("SELECT node_id, value FROM rewards").to_pylist() == [{"node_id": "b", "value": 1.0}]
     w.add_node(id="c", parents=["b"])
     db.flush()
     assert reader.query("LINEAGE OF 'c' ANCESTORS RETURN id").to_pylist() == [{"id": "c"}, {"id": "b"}, {"id": "a"}]
-    assert reader._engine._broken == set() and set(reader._engine._upto) == set(DATA_TABLES)
+    assert reader._store.engine._broken == set() and set(reader._store.engine._upto) == set(DATA_TABLES)
     reader.close()
     db.close()
 
@@ -155,7 +155,7 @@ def test_the_rewards_mirror_is_copied_in_channel_order(tmp_path: Path) -> None:
                                     "channel": channels * len(ids),
                                     "value": [float(i) for i in range(len(ids) * len(channels))]})})
     fresh = trellisdb.connect(tmp_path / "db")  # its first query copies every row
-    con = fresh._engine.prepare(fresh._log.refresh(), fresh.log()[-1]["id"])
+    con = fresh._store.engine.prepare(fresh._store.log.refresh(), fresh.log()[-1]["id"])
     stored = [r[0] for r in con.execute("SELECT channel FROM __mir_rewards ORDER BY rowid").fetchall()]
     assert stored == sorted(stored) and len(stored) == 90
     got = fresh.sql("SELECT node_id, channel, value FROM rewards ORDER BY value").to_pylist()
@@ -186,7 +186,7 @@ def test_a_large_rewards_copy_is_sorted_a_part_at_a_time(tmp_path: Path, monkeyp
                                         "channel": channels * len(ids),
                                         "value": [k + i / 1000 for i in range(len(ids) * len(channels))]})})
     fresh = trellisdb.connect(tmp_path / "db")
-    con = fresh._engine.prepare(fresh._log.refresh(), fresh.log()[-1]["id"])
+    con = fresh._store.engine.prepare(fresh._store.log.refresh(), fresh.log()[-1]["id"])
     stored = [r[0] for r in con.execute("SELECT channel FROM __mir_rewards ORDER BY rowid").fetchall()]
     runs = 1 + sum(a != b for a, b in itertools.pairwise(stored))
     assert len(stored) == 270 and runs <= 9  # interleaved as written: 270 runs
@@ -228,15 +228,15 @@ def test_keep_memory_sets_what_duckdb_keeps_mapped(tmp_path: Path, monkeypatch: 
     db = trellisdb.connect(tmp_path / "db")
     # default: a share of DuckDB's memory limit (its printed values are rounded to 0.1 of a unit)
     limit, kept = _setting(db, "memory_limit"), _setting(db, "block_allocator_memory")
-    assert db._engine.kept_memory > 0
+    assert db._store.engine.kept_memory > 0
     assert kept == pytest.approx(limit * KEEP_MEMORY_SHARE, rel=0.02)
-    assert kept == pytest.approx(db._engine.kept_memory, rel=0.02)
+    assert kept == pytest.approx(db._store.engine.kept_memory, rel=0.02)
     db.close()
     db = trellisdb.connect(tmp_path / "db", keep_memory=0)
-    assert db._engine.kept_memory == 0 and _setting(db, "block_allocator_memory") == 0
+    assert db._store.engine.kept_memory == 0 and _setting(db, "block_allocator_memory") == 0
     db.close()
     db = trellisdb.connect(tmp_path / "db", keep_memory=1 << 30)
-    assert db._engine.kept_memory == 1 << 30 and _setting(db, "block_allocator_memory") == 1 << 30
+    assert db._store.engine.kept_memory == 1 << 30 and _setting(db, "block_allocator_memory") == 1 << 30
     db.close()
 
 
@@ -264,8 +264,8 @@ def test_keep_memory_defaults_to_none_under_strict_overcommit(tmp_path: Path, mo
 
     monkeypatch.setattr(reader, "_strict_overcommit", lambda: True)
     db = trellisdb.connect(tmp_path / "db")
-    assert db._engine.kept_memory == 0 and _setting(db, "block_allocator_memory") == 0
+    assert db._store.engine.kept_memory == 0 and _setting(db, "block_allocator_memory") == 0
     db.close()
     db = trellisdb.connect(tmp_path / "db", keep_memory=1 << 28)  # asked for: kept all the same
-    assert db._engine.kept_memory == 1 << 28
+    assert db._store.engine.kept_memory == 1 << 28
     db.close()

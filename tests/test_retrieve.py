@@ -14,8 +14,9 @@ import pyarrow as pa
 import pytest
 
 import trellisdb
-from trellisdb import vectors
 from trellisdb.errors import EmbedderError, EmptySpaceError, UnknownSpaceError
+from trellisdb.vectors import index as vector_index
+from trellisdb.vectors import search as vector_search
 
 
 def clustered(n: int, dim: int, clusters: int, seed: int = 0, noise: float = 0.35) -> np.ndarray:
@@ -103,10 +104,10 @@ def test_prefilters_apply_before_top_k(small, monkeypatch: pytest.MonkeyPatch) -
         got = seeds(db.query(f"RETRIEVE 10 SIMILAR TO $q WHERE {where}", q=q))
         assert got == want, where
         # the other path: more candidates than are searched exactly -> search, then filter, fetching more
-        monkeypatch.setattr(vectors, "EXACT_CANDIDATES", 5)
+        monkeypatch.setattr(vector_search, "EXACT_CANDIDATES", 5)
         r = db.query(f"RETRIEVE 10 SIMILAR TO $q WHERE {where}", q=q)
         assert seeds(r) == want, where
-        monkeypatch.setattr(vectors, "EXACT_CANDIDATES", 10_000)
+        monkeypatch.setattr(vector_search, "EXACT_CANDIDATES", 10_000)
     r = db.query("RETRIEVE 10 SIMILAR TO $q WHERE reward('score') > 2", q=q)
     assert len(r) == 0
 
@@ -178,14 +179,14 @@ def test_index_recall_and_rows_added_after_the_build(tmp_path: Path) -> None:
 
 
 def test_index_builds_in_the_background_once_a_space_is_big(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(vectors, "INDEX_MIN_ROWS", 1000)
-    monkeypatch.setattr(vectors, "UPDATE_MIN_ROWS", 200)
+    monkeypatch.setattr(vector_index, "INDEX_MIN_ROWS", 1000)
+    monkeypatch.setattr(vector_index, "UPDATE_MIN_ROWS", 200)
     x = clustered(1600, 8, 8, seed=2)
     db = trellisdb.connect(tmp_path / "db", embedding_dim=8)
     ingest_nodes(db, x[:900], 900, prefix="a")
     assert db.index_status()[0]["state"] == "exact"
     ingest_nodes(db, x[900:], 700, prefix="b")  # crosses the threshold: a build starts
-    assert db._indexer.wait(60)
+    assert db._vectors.indexer.wait(60)
     st = db.index_status()[0]
     assert st["state"] == "indexed" and st["builds"] == 1 and st["indexed_rows"] == 1600, st
     db.close()

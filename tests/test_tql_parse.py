@@ -7,6 +7,7 @@ import pytest
 import trellisdb
 from trellisdb.tql import ast as A
 from trellisdb.tql.parser import grammar_text, parse, parser
+from trellisdb.tql.show import show
 
 
 def test_every_grammar_rule_has_an_ast_handler() -> None:
@@ -104,7 +105,7 @@ def test_and_or_chains_are_one_flat_node_each_and_keep_precedence() -> None:
     assert isinstance(w.operands[1].operands[2], A.Not)
     assert isinstance(w.operands[2], A.BoolOp) and w.operands[2].op == "OR"  # parentheses stay a group
     assert w.span.start == 12 and w.span.end == 70
-    assert str(w) == "((a = 1) OR ((b = 2) AND (c = 3) AND NOT (d = 4)) OR ((e = 5) OR (f = 6)))"
+    assert show(w) == "((a = 1) OR ((b = 2) AND (c = 3) AND NOT (d = 4)) OR ((e = 5) OR (f = 6)))"
     with pytest.raises(trellisdb.QueryError, match="at least two operands"):
         A.BoolOp("AND", (A.Column("a"),))
     with pytest.raises(trellisdb.QueryError, match="use Binary"):

@@ -18,7 +18,11 @@ import pyarrow.parquet as pq
 import pytest
 
 import trellisdb
-from trellisdb import texts, views
+from trellisdb.training import rows as view_rows
+from trellisdb.training import texts
+from trellisdb.training.catalog import ViewCatalog
+from trellisdb.training.compute import build, compute
+from trellisdb.training.spec import ViewSpec
 from trellisdb.writer import content_hash
 
 from . import openevolve
@@ -68,14 +72,14 @@ def _decoded(t: pa.Table, values: list[Any]) -> dict[str, list[Any]]:
 
 def stored_texts(db: trellisdb.Database, name: str) -> dict[str, list[Any]]:
     """The texts a materialized view keeps for its rows, per hash column, in row order."""
-    entry = views.ViewCatalog(db.path).load().entries[name]
-    return _decoded(views.read_rows(db, entry, codes=True), texts.texts_of(db, entry).to_pylist())
+    entry = ViewCatalog(db.path).load().entries[name]
+    return _decoded(db._views.stored.read(entry, codes=True), db._views.texts.texts_of(entry).to_pylist())
 
 
 def rebuilt_texts(db: trellisdb.Database, name: str, commit: int) -> dict[str, list[Any]]:
     """The texts a rebuild of view ``name`` at ``commit`` resolves, per hash column, in row order."""
-    spec = views.ViewCatalog(db.path).load().spec(name)
-    t, text = views.build(db, spec, commit)
+    spec = ViewCatalog(db.path).load().spec(name)
+    t, text = build(db._views.texts, db.snapshot(commit), spec)
     return _decoded(t, text["text"].to_pylist())
 
 
@@ -247,8 +251,8 @@ def test_refresh_equals_rebuild(g: trellisdb.Database, kind: str, opts: dict[str
         grow(g, rng, 12)
         e = g.refresh("v")
         assert e["commit"] == g.log()[-1]["id"]
-        spec = views.ViewCatalog(g.path).load().spec("v")
-        rebuilt = views.compute(g, spec, e["commit"])
+        spec = ViewCatalog(g.path).load().spec("v")
+        rebuilt = compute(g.snapshot(e["commit"]), spec)
         assert g.view("v").to_arrow().equals(rebuilt), f"refresh {step} ({e['how']}) differs from a rebuild"
         assert stored_texts(g, "v") == rebuilt_texts(g, "v", e["commit"]), f"refresh {step}: texts differ"
         if kind != "replay":
@@ -261,17 +265,17 @@ def test_refresh_keeps_the_text_keys_of_the_table_on_disk(g: trellisdb.Database)
     in a process without them gives the same view, and a view made again under the same name
     starts afresh."""
     def kept_is_stored(name: str) -> None:
-        entry = views.ViewCatalog(g.path).load().entries[name]
-        kept = texts.cached(g, entry)
+        entry = ViewCatalog(g.path).load().entries[name]
+        kept = g._views.texts.cached(entry)
         assert kept is not None
-        disk = texts.Known.of(texts._hashes(g, entry))
+        disk = texts.Known.of(g._views.texts.hashes(entry))
         assert kept.keys.equals(disk.keys) and kept.checks.equals(disk.checks)
         # and the rows' provenance a refresh reads
-        prov = views._KEPT[g][name]
-        assert prov.tag == views._rows_tag(entry)
-        cols = views._provenance(views.ViewSpec.from_dict(entry["spec"]))
-        on_disk = views.read_rows(g, entry, cols).sort_by(views.ROW_ID)
-        assert prov.table().sort_by(views.ROW_ID).equals(on_disk) and on_disk.num_rows == entry["rows"]
+        prov = g._views.stored.kept[name]
+        assert prov.tag == view_rows.rows_tag(entry)
+        cols = view_rows.provenance_columns(ViewSpec.from_dict(entry["spec"]))
+        on_disk = g._views.stored.read(entry, cols).sort_by(view_rows.ROW_ID)
+        assert prov.table().sort_by(view_rows.ROW_ID).equals(on_disk) and on_disk.num_rows == entry["rows"]
 
     g.create_view("v", "preference", reward="reward('score')")
     g.materialize("v")
@@ -282,12 +286,12 @@ def test_refresh_keeps_the_text_keys_of_the_table_on_disk(g: trellisdb.Database)
         g.refresh("v")
     kept_is_stored("v")
     grow(g, rng, 12)
-    texts._KNOWN.clear()  # as another process would: the keys and rows read from the tables
-    views._KEPT.clear()
+    g._views.texts.known.clear()  # as another process would: the keys and rows read from the tables
+    g._views.stored.kept.clear()
     e = g.refresh("v")
     kept_is_stored("v")
-    spec = views.ViewCatalog(g.path).load().spec("v")
-    assert g.view("v").to_arrow().equals(views.compute(g, spec, e["commit"]))
+    spec = ViewCatalog(g.path).load().spec("v")
+    assert g.view("v").to_arrow().equals(compute(g.snapshot(e["commit"]), spec))
     assert stored_texts(g, "v") == rebuilt_texts(g, "v", e["commit"])
     g.drop_view("v")
     g.create_view("v", "sft", reward="reward('score')", threshold=0.5)
@@ -300,17 +304,17 @@ def test_a_view_past_the_kept_limit_is_refreshed_from_disk(
 ) -> None:
     """A view whose provenance holds more node ids than KEPT_NODE_IDS is not kept in memory:
     each refresh reads the stored rows' provenance from Lance, and the view still equals a rebuild."""
-    monkeypatch.setattr(views, "KEPT_NODE_IDS", 3)
+    monkeypatch.setattr(view_rows, "KEPT_NODE_IDS", 3)
     g.create_view("v", "preference", reward="reward('score')")
     g.materialize("v")
-    assert "v" not in views._KEPT.get(g, {})
+    assert "v" not in g._views.stored.kept
     rng = np.random.default_rng(3)
     for _ in range(2):
         grow(g, rng, 12)
         e = g.refresh("v")
-        assert e["how"].startswith("refreshed") and "v" not in views._KEPT.get(g, {})
-        spec = views.ViewCatalog(g.path).load().spec("v")
-        assert g.view("v").to_arrow().equals(views.compute(g, spec, e["commit"]))
+        assert e["how"].startswith("refreshed") and "v" not in g._views.stored.kept
+        spec = ViewCatalog(g.path).load().spec("v")
+        assert g.view("v").to_arrow().equals(compute(g.snapshot(e["commit"]), spec))
 
 
 def test_a_refresh_that_would_replace_rows_not_stored_changes_nothing(g: trellisdb.Database) -> None:
@@ -320,21 +324,21 @@ def test_a_refresh_that_would_replace_rows_not_stored_changes_nothing(g: trellis
     g.create_view("v", "grpo", reward="reward('score')")
     g.materialize("v")
     before = g.view("v").to_arrow()
-    entry = views.ViewCatalog(g.path).load().entries["v"]
-    kept = views._KEPT[g]["v"]
+    entry = ViewCatalog(g.path).load().entries["v"]
+    kept = g._views.stored.kept["v"]
     t = kept.table()
     ghost = pa.table({"node_ids": pa.array([["A"]], pa.list_(pa.string())), "group_key": ["R"],
-                      views.ROW_ID: pa.array([10_000], pa.int64())}).cast(t.schema)
-    views._KEPT[g]["v"] = views._Kept(kept.tag, pa.concat_tables([t, ghost]))
+                      view_rows.ROW_ID: pa.array([10_000], pa.int64())}).cast(t.schema)
+    g._views.stored.kept["v"] = view_rows.Kept(kept.tag, pa.concat_tables([t, ghost]))
     with g.transaction():
         g.resume("s1").add_reward("A", "score", 0.2)
     with pytest.raises(trellisdb.CorruptionError, match=r"run db\.materialize"):
         g.refresh("v")
-    assert views.ViewCatalog(g.path).load().entries["v"] == entry
+    assert ViewCatalog(g.path).load().entries["v"] == entry
     assert g.view("v").to_arrow().equals(before)
     g.materialize("v")
-    spec = views.ViewCatalog(g.path).load().spec("v")
-    assert g.view("v").to_arrow().equals(views.compute(g, spec, g.log()[-1]["id"]))
+    spec = ViewCatalog(g.path).load().spec("v")
+    assert g.view("v").to_arrow().equals(compute(g.snapshot(g.log()[-1]["id"]), spec))
 
 
 def test_a_new_comparison_refreshes_only_views_that_read_comparisons(g: trellisdb.Database) -> None:
@@ -349,8 +353,8 @@ def test_a_new_comparison_refreshes_only_views_that_read_comparisons(g: trellisd
     for v, how in (("gr", "unchanged"), ("sib", "unchanged"), ("cmp", "refreshed")):
         e = g.refresh(v)
         assert e["how"].startswith(how), (v, e["how"])
-        spec = views.ViewCatalog(g.path).load().spec(v)
-        assert g.view(v).to_arrow().equals(views.compute(g, spec, e["commit"]))
+        spec = ViewCatalog(g.path).load().spec(v)
+        assert g.view(v).to_arrow().equals(compute(g.snapshot(e["commit"]), spec))
     assert ("G", "F") in {(r["chosen_id"], r["rejected_id"]) for r in rows(g, "cmp")}
 
 
@@ -370,13 +374,13 @@ def test_refresh_replaces_rows_with_or_without_lances_delete_by_address(
     g.materialize("v")
     rng = np.random.default_rng(11)
     for _ in range(2):
-        before = views.ViewCatalog(g.path).load().entries["v"]["version"]
+        before = ViewCatalog(g.path).load().entries["v"]["version"]
         grow(g, rng, 12)
         e = g.refresh("v")
         assert "rows replaced" in e["how"] and e["version"] == before + (1 if by_address else 2)
-        spec = views.ViewCatalog(g.path).load().spec("v")
-        assert g.view("v").to_arrow().equals(views.compute(g, spec, e["commit"]))
-        assert lance.dataset(views._uri(g, "v"), version=e["version"]).count_rows() == e["rows"]
+        spec = ViewCatalog(g.path).load().spec("v")
+        assert g.view("v").to_arrow().equals(compute(g.snapshot(e["commit"]), spec))
+        assert lance.dataset(g._views.stored.uri("v"), version=e["version"]).count_rows() == e["rows"]
 
 
 def test_refresh_when_a_node_leaves_its_group(g: trellisdb.Database) -> None:
@@ -389,8 +393,8 @@ def test_refresh_when_a_node_leaves_its_group(g: trellisdb.Database) -> None:
         g.resume("s1").add_artifact("A", "prompt", "a prompt nobody else has")
     e = g.refresh("v")
     assert e["how"].startswith("refreshed")
-    spec = views.ViewCatalog(g.path).load().spec("v")
-    assert g.view("v").to_arrow().equals(views.compute(g, spec, e["commit"]))
+    spec = ViewCatalog(g.path).load().spec("v")
+    assert g.view("v").to_arrow().equals(compute(g.snapshot(e["commit"]), spec))
     left = [r for r in rows(g, "v") if "B" in r["node_ids"]]
     assert old and len(left) == 1 and "A" not in left[0]["node_ids"] and len(left[0]["node_ids"]) == old.pop() - 1
 
@@ -401,7 +405,7 @@ def test_many_refreshes_keep_the_view_compact(g: trellisdb.Database, monkeypatch
     can be read."""
     import lance
 
-    monkeypatch.setattr(views, "VIEW_FRAGMENTS", 1)
+    monkeypatch.setattr(view_rows, "VIEW_FRAGMENTS", 1)
     g.create_view("v", "preference", reward="reward('score')")
     g.materialize("v")
     rng = np.random.default_rng(7)
@@ -412,10 +416,10 @@ def test_many_refreshes_keep_the_view_compact(g: trellisdb.Database, monkeypatch
         ds = lance.dataset(os.path.join(g.path, e["file"]), version=e["version"])
         assert len(ds.get_fragments()) == 1  # merged whenever a refresh took it past 1
         assert ds.count_rows() == e["rows"]
-    spec = views.ViewCatalog(g.path).load().spec("v")
-    assert g.view("v").to_arrow().equals(views.compute(g, spec, e["commit"]))
+    spec = ViewCatalog(g.path).load().spec("v")
+    assert g.view("v").to_arrow().equals(compute(g.snapshot(e["commit"]), spec))
     # the text table, rewritten in order whenever it passed 1 fragment, still matches the codes
-    assert len(lance.dataset(texts.path(g, "v"), version=e["texts_version"]).get_fragments()) == 1
+    assert len(lance.dataset(g._views.texts.path("v"), version=e["texts_version"]).get_fragments()) == 1
     assert stored_texts(g, "v") == rebuilt_texts(g, "v", e["commit"])
     again = trellisdb.connect(g.path)
     assert again.view("v").to_arrow().num_rows == e["rows"]
@@ -429,19 +433,19 @@ def test_a_view_stored_in_the_older_file_format_refreshes_and_rebuilds(
     dataset's own format, a materialization rewrites it in the current one."""
     import lance
 
-    monkeypatch.setattr(views, "VIEW_FORMAT", "2.2")
+    monkeypatch.setattr(view_rows, "VIEW_FORMAT", "2.2")
     g.create_view("v", "grpo", reward="reward('score')")
     g.materialize("v")
-    monkeypatch.setattr(views, "VIEW_FORMAT", "2.0")
+    monkeypatch.setattr(view_rows, "VIEW_FORMAT", "2.0")
     grow(g, np.random.default_rng(3), 6)
     e = g.refresh("v")
-    spec = views.ViewCatalog(g.path).load().spec("v")
-    assert g.view("v").to_arrow().equals(views.compute(g, spec, e["commit"]))
+    spec = ViewCatalog(g.path).load().spec("v")
+    assert g.view("v").to_arrow().equals(compute(g.snapshot(e["commit"]), spec))
     uri = os.path.join(g.path, e["file"])
     assert lance.dataset(uri).data_storage_version == "2.2"
     e = g.materialize("v")
     assert lance.dataset(uri).data_storage_version == "2.0"
-    assert g.view("v").to_arrow().equals(views.compute(g, spec, e["commit"]))
+    assert g.view("v").to_arrow().equals(compute(g.snapshot(e["commit"]), spec))
 
 
 def test_views_are_listed_and_pinned(g: trellisdb.Database) -> None:
@@ -576,7 +580,7 @@ def test_export_split_paths_missing_and_empty(g: trellisdb.Database, tmp_path: P
 def test_export_parquet_in_shards(g: trellisdb.Database, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A Parquet split over ``SHARD_BYTES`` is written as shards named the Hugging Face way;
     read in order they are the one-file export, and provenance counts rows through them."""
-    from trellisdb import export
+    from trellisdb.training import export
 
     g.create_view("p", "preference", reward="reward('score')", margin=0.0)
     g.materialize("p")
@@ -610,7 +614,7 @@ def test_export_shard_failure_leaves_the_old_export(g: trellisdb.Database, tmp_p
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     """A shard that fails to write (a full disk, say) fails the export: the other writers
     finish, the temporary folder goes, and an export already at the path stays as it was."""
-    from trellisdb import export
+    from trellisdb.training import export
 
     g.create_view("p", "preference", reward="reward('score')", margin=0.0)
     g.materialize("p")
@@ -768,7 +772,7 @@ def test_export_texts_from_a_hash_stored_twice_and_binary_content(tmp_path: Path
 def test_export_texts_read_in_many_batches(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The artifacts' contents stream from Lance in batches (a few hundred rows each here) when
     a view is materialized: every row still gets its own texts, and the rows keep the view's order."""
-    from trellisdb import texts
+    from trellisdb.training import texts
 
     db = trellisdb.connect(tmp_path / "db")
     with db.transaction():
@@ -790,7 +794,7 @@ def test_export_keeps_a_shared_text_as_a_dictionary(tmp_path: Path, monkeypatch:
     """A text column of few distinct values (a system prompt most rows share, absent on some)
     goes to Parquet as a dictionary straight from its codes; it reads back as plain strings,
     row for row, beside the plainly written columns."""
-    from trellisdb import export
+    from trellisdb.training import export
 
     db = trellisdb.connect(tmp_path / "db")
     systems = ["you are a solver", "you are a checker", None]
@@ -845,7 +849,7 @@ def test_export_texts_when_hash_keys_collide(tmp_path: Path, monkeypatch: pytest
     ones is no error."""
     import polars as pl
 
-    from trellisdb import texts
+    from trellisdb.training import texts
 
     db = trellisdb.connect(tmp_path / "db")
     with db.transaction():
@@ -890,7 +894,7 @@ def test_a_view_keeps_its_texts_and_a_refresh_looks_up_only_those_it_lacks(
     e = g.materialize("v")
     assert "G" not in {r["chosen_id"] for r in rows(g, "v")} | {r["rejected_id"] for r in rows(g, "v")}
     assert not any(c.startswith(texts.CODE_PREFIX) for c in g.view("v").to_arrow().column_names)
-    first = texts.texts_of(g, views.ViewCatalog(g.path).load().entries["v"]).to_pylist()
+    first = g._views.texts.texts_of(ViewCatalog(g.path).load().entries["v"]).to_pylist()
     assert sorted(first) == sorted({"pack circles", "sort", "you are a solver"} | {f"answer {n}" for n in "ABCDXY"})
     assert e["texts"] == len(first)
     calls: list[tuple[set[str], str | None]] = []
@@ -902,11 +906,11 @@ def test_a_view_keeps_its_texts_and_a_refresh_looks_up_only_those_it_lacks(
 
     monkeypatch.setattr(texts, "resolve", spy)
     if addresses in ("forgotten", "many"):
-        texts._ADDRESSES.clear()
+        g._views.texts.addresses = None
     if addresses == "many":  # F and G are more than this
         monkeypatch.setattr(texts, "LISTED_HASHES", 1)
     elif addresses == "wrong":  # every address one row off
-        texts._ADDRESSES[g].addrs = np.roll(texts._ADDRESSES[g].addrs, 1)
+        g._views.texts.addresses.addrs = np.roll(g._views.texts.addresses.addrs, 1)
     with g.transaction():
         s = g.resume("s1")
         s.add_node(id="N", parents=["R"], artifacts=arts("N"))
@@ -922,7 +926,7 @@ def test_a_view_keeps_its_texts_and_a_refresh_looks_up_only_those_it_lacks(
     if addresses in ("forgotten", "many"):
         assert calls[1][0] == {h["F"], h["G"]}
     if addresses == "many":  # the full scan recorded every artifact's address again
-        assert texts._ADDRESSES[g].upto == e["commit"] and len(texts._ADDRESSES[g].keys) == len(
+        assert g._views.texts.addresses.upto == e["commit"] and len(g._views.texts.addresses.keys) == len(
             g.sql("SELECT hash FROM artifacts_history").to_pylist())
     elif addresses == "wrong":  # a row taken holding another hash asked for is still used
         assert calls[1][0] and calls[1][0] <= {h["F"], h["G"]}
@@ -945,18 +949,18 @@ def test_a_refresh_that_died_before_its_catalog_write_is_undone(g: trellisdb.Dat
     before = g.view("v").to_pylist()
     grow(g, np.random.default_rng(11), 10)
 
-    def dies(self: views.ViewCatalog) -> None:
+    def dies(self: ViewCatalog) -> None:
         raise OSError("disk full")
 
     with monkeypatch.context() as m:
-        m.setattr(views.ViewCatalog, "save", dies)
+        m.setattr(ViewCatalog, "save", dies)
         with pytest.raises(OSError, match="disk full"):
             g.refresh("v")
     assert g.view("v").to_pylist() == before  # what the catalog names: still the old rows
     e = g.refresh("v")
     assert e["how"].startswith("refreshed")
-    spec = views.ViewCatalog(g.path).load().spec("v")
-    assert g.view("v").to_arrow().equals(views.compute(g, spec, e["commit"]))
+    spec = ViewCatalog(g.path).load().spec("v")
+    assert g.view("v").to_arrow().equals(compute(g.snapshot(e["commit"]), spec))
     assert stored_texts(g, "v") == rebuilt_texts(g, "v", e["commit"])
     g.export("v", tmp_path / "out", "trl")
 
@@ -969,7 +973,7 @@ def test_a_view_stored_before_views_kept_texts(g: trellisdb.Database, tmp_path: 
     g.create_view("v", "sft", reward="reward('score')", threshold=0.5)
     g.materialize("v")
     g.export("v", tmp_path / "new", "parquet")
-    cat = views.ViewCatalog(g.path).load()
+    cat = ViewCatalog(g.path).load()
     entry = cat.entries["v"]
     uri = os.path.join(g.path, entry["file"])
     old = lance.dataset(uri).to_table()
@@ -1016,7 +1020,7 @@ def test_a_view_whose_texts_are_gone_says_to_materialize_it(g: trellisdb.Databas
 
     g.create_view("v", "sft", reward="reward('score')", threshold=0.5)
     g.materialize("v")
-    shutil.rmtree(texts.path(g, "v"))
+    shutil.rmtree(g._views.texts.path("v"))
     with pytest.raises(trellisdb.TrellisError, match=r"texts of view 'v' .* run db.materialize"):
         g.export("v", tmp_path / "out", "trl")
     grow(g, np.random.default_rng(2), 4)
@@ -1034,14 +1038,14 @@ def test_a_view_can_leave_its_texts_to_the_export(g: trellisdb.Database, tmp_pat
     for name, keep in (("kept", True), ("lean", False)):
         g.create_view(name, "preference", reward="reward('score')", keep_texts=keep)
         g.materialize(name)
-    assert os.path.exists(texts.path(g, "kept")) and not os.path.exists(texts.path(g, "lean"))
-    assert "keep_texts=False" in views.ViewCatalog(g.path).load().entries["lean"]["definition"]
+    assert os.path.exists(g._views.texts.path("kept")) and not os.path.exists(g._views.texts.path("lean"))
+    assert "keep_texts=False" in ViewCatalog(g.path).load().entries["lean"]["definition"]
     grow(g, np.random.default_rng(9), 10)
     for name in ("kept", "lean"):
         e = g.refresh(name)
         assert e["how"].startswith("refreshed") and (e["texts_version"] is None) == (name == "lean")
         g.export(name, tmp_path / name, "parquet")
-    assert not os.path.exists(texts.path(g, "lean"))
+    assert not os.path.exists(g._views.texts.path("lean"))
     a, b = (pq.read_table(tmp_path / n / "train.parquet") for n in ("kept", "lean"))
     assert a.equals(b) and a.num_rows > 0
     with pytest.raises(trellisdb.ValidationError, match="keep_texts must be True or False"):
@@ -1051,7 +1055,7 @@ def test_a_view_can_leave_its_texts_to_the_export(g: trellisdb.Database, tmp_pat
 def test_parquet_dictionary_encodes_only_the_repeating_columns(tmp_path: Path) -> None:
     """Parquet export asks for a dictionary on the columns whose first values repeat (and the
     text dictionaries kept as they are), not on mostly distinct ones; the file reads back the same."""
-    from trellisdb import export
+    from trellisdb.training import export
 
     n = 10_000
     kept = pa.DictionaryArray.from_arrays(pa.array(np.zeros(n, np.int32)), pa.array(["the system prompt"]))

@@ -17,10 +17,12 @@ from trellisdb.errors import (
     CorruptionError,
     DuplicateIdError,
     EmbeddingDimensionError,
+    EmptySpaceError,
     ExportError,
     FormatVersionError,
     InvalidRewardError,
     NotADatabaseError,
+    PlanError,
     QueryError,
     QueryNameError,
     QuerySyntaxError,
@@ -37,6 +39,7 @@ from trellisdb.errors import (
     ValidationError,
 )
 from trellisdb.result import Result
+from trellisdb.snapshot import Snapshot
 from trellisdb.tql.run import QueryResult
 from trellisdb.writer import SessionWriter
 
@@ -48,10 +51,12 @@ __all__ = [
     "Database",
     "DuplicateIdError",
     "EmbeddingDimensionError",
+    "EmptySpaceError",
     "ExportError",
     "FormatVersionError",
     "InvalidRewardError",
     "NotADatabaseError",
+    "PlanError",
     "QueryError",
     "QueryNameError",
     "QueryResult",
@@ -60,6 +65,7 @@ __all__ = [
     "ReadOnlyError",
     "Result",
     "SessionWriter",
+    "Snapshot",
     "TransactionError",
     "TrellisError",
     "TrellisWarning",

@@ -11,19 +11,32 @@ import pyarrow.compute as pc
 
 from trellisdb.errors import (
     DuplicateIdError,
-    EmbeddingDimensionError,
-    InvalidRewardError,
     UnknownNodeError,
     UnknownParentError,
     UnknownSessionError,
     ValidationError,
 )
 from trellisdb.names import bad_names
-from trellisdb.schema import DATA_TABLES, EDGE_KINDS, KEYS, table_schema
-from trellisdb.writer import config_text
+from trellisdb.rules import (
+    EDGE_KINDS,
+    EMBEDDING_DIMENSION,
+    EMBEDDING_NOT_FINITE,
+    FINITE,
+    NAME_COLUMNS,
+    NEGATIVE,
+    NOT_FINITE,
+    NOT_NEGATIVE,
+    NOT_PREFERRED,
+    REWARD_NOT_FINITE,
+    SAME_NODES,
+    SELF_LOOP,
+    UNKNOWN_EDGE_KIND,
+    config_text,
+)
+from trellisdb.schema import DATA_TABLES, KEYS, table_schema
 
 if TYPE_CHECKING:
-    from trellisdb.database import Database
+    from trellisdb.snapshot import Snapshot
 
 
 def conform(name: str, t: pa.Table, dim: int) -> pa.Table:
@@ -42,13 +55,11 @@ def conform(name: str, t: pa.Table, dim: int) -> pa.Table:
                 sizes = pc.list_value_length(col).drop_null()
                 bad = [s for s in pc.unique(sizes).to_pylist() if s != dim] if len(sizes) else []
                 if bad:
-                    raise EmbeddingDimensionError(
-                        f"{name}.{f.name} has vectors of dimension {bad[0]}; this database's dimension is {dim}"
-                    )
+                    raise EMBEDDING_DIMENSION.table(table=name, column=f.name, got=bad[0], dim=dim)
             if pa.types.is_fixed_size_list(f.type):
                 flat = pc.list_flatten(col)
                 if len(flat) and not pc.all(pc.is_finite(flat.cast(pa.float64()))).as_py():
-                    raise ValidationError(f"{name}.{f.name} contains NaN or infinite values")
+                    raise EMBEDDING_NOT_FINITE.table(table=name, column=f.name)
             try:
                 col = col.cast(f.type)
             except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as e:
@@ -65,76 +76,56 @@ def conform(name: str, t: pa.Table, dim: int) -> pa.Table:
     return pa.Table.from_arrays(cols, schema=sch)
 
 
-#: The columns of each table that hold names (``trellisdb/names.py``): checked whole, as the
-#: write API checks each value at its call.
-NAME_COLUMNS: dict[str, tuple[str, ...]] = {
-    "tasks": ("id", "tags"),
-    "sessions": ("id", "task_id", "agent", "model", "status"),
-    "nodes": ("id", "session_id", "task_id", "kind", "status"),
-    "edges": ("src", "dst", "kind", "session_id"),
-    "artifacts": ("hash", "media_type"),
-    "node_artifacts": ("node_id", "name", "hash"),
-    "rewards": ("node_id", "channel", "verifier", "verifier_version"),
-    "comparisons": ("id", "a", "b", "preferred", "judge"),
-}
-#: Numeric columns that count or measure something: never negative (and finite, for floats).
-_NOT_NEGATIVE: dict[str, tuple[str, ...]] = {"nodes": ("step", "tokens_in", "tokens_out", "seconds", "usd")}
-
-
 def check_values(name: str, t: pa.Table) -> None:
-    """The value rules of the write API, over whole columns: valid UTF-8 text, names, counts."""
+    """The value rules of the write API (``rules.py``), over whole columns: valid UTF-8 text, names,
+    counts and measures, finite floats, comparisons of two nodes, JSON configs."""
     try:
         t.validate(full=True)  # every string column's UTF-8 among the rest
     except pa.ArrowInvalid as e:
         raise ValidationError(f"table {name!r} holds a value that is not valid (UTF-8 text): {e}") from None
     for col in NAME_COLUMNS[name]:
         bad_names(t.column(col), f"{name}.{col}")
-    for col in _NOT_NEGATIVE.get(name, ()):
+    for col in NOT_NEGATIVE.get(name, ()):
         c = t.column(col)
         bad = pc.less(c, 0)
         if pa.types.is_floating(c.type):
             bad = pc.or_kleene(bad, pc.invert(pc.is_finite(c)))
         if pc.any(bad).as_py():
-            raise ValidationError(f"{name}.{col} holds {pc.filter(c, bad)[0].as_py()!r}; it must be finite and >= 0")
+            raise NEGATIVE.table(table=name, column=col, value=pc.filter(c, bad)[0].as_py())
+    for col in FINITE.get(name, ()):
+        if pc.any(pc.invert(pc.is_finite(t.column(col)))).as_py():
+            raise NOT_FINITE.table(table=name, column=col)
     if name == "comparisons":
-        margin = t.column("margin")
-        if pc.any(pc.invert(pc.is_finite(margin))).as_py():
-            raise ValidationError("comparisons.margin holds NaN or an infinity; margins are finite")
         same = _first(t, pc.equal(t.column("a"), t.column("b")))
         if same is not None:
-            raise ValidationError(f"comparison {same['id']!r} compares {same['a']!r} with itself")
+            raise SAME_NODES.table(**same)
     if name == "sessions":
         for config in t.column("config").drop_null().to_pylist():  # a few per ingest: one per session
             config_text(config)
 
 
-def _in_store(db: Database, values: pa.Array, table: str, col: str, *, present: bool, limit: int | None = None) -> pa.Array:
+def _in_store(snap: Snapshot, values: pa.Array, table: str, col: str, *, present: bool, limit: int | None = None) -> pa.Array:
     """The distinct ``values`` that ``table.col`` holds (``present``) or lacks, as of the latest commit."""
     if not len(values):
         return values
-    st = db._log.refresh()
-    con = db._engine.prepare(st, st.last_committed)
-    con.register("__want", pa.table({"v": values}))
-    try:
-        join = "SEMI" if present else "ANTI"
-        cap = f" LIMIT {int(limit)}" if limit else ""
-        t = con.sql(f"SELECT DISTINCT w.v FROM __want w {join} JOIN {table}_history h ON h.{col} = w.v{cap}").to_arrow_table()
-    finally:
-        con.unregister("__want")
+    join = "SEMI" if present else "ANTI"
+    cap = f" LIMIT {int(limit)}" if limit else ""
+    t = snap.sql(f"SELECT DISTINCT w.v FROM __want w {join} JOIN {table}_history h ON h.{col} = w.v{cap}",
+                 relations={"__want": pa.table({"v": values})})
     return t.column("v").combine_chunks()
 
 
-def _missing(db: Database, table: str, col: str, ids: pa.Array) -> list[str]:
+def _missing(snap: Snapshot, table: str, col: str, ids: pa.Array) -> list[str]:
     """Up to 5 of ``ids`` that ``table.col`` does not hold (for the error message)."""
-    missing: list[str] = _in_store(db, ids, table, col, present=False, limit=5).to_pylist()
+    missing: list[str] = _in_store(snap, ids, table, col, present=False, limit=5).to_pylist()
     return missing
 
 
-def prepare_bulk(db: Database, tables: Mapping[str, pa.Table]) -> dict[str, pa.Table]:
+def prepare_bulk(snap: Snapshot, dim: int, tables: Mapping[str, pa.Table]) -> dict[str, pa.Table]:
     unknown = set(tables) - set(DATA_TABLES)
     if unknown:
         raise ValidationError(f"unknown table(s) {sorted(unknown)}; tables are {list(DATA_TABLES)}")
-    out = {n: conform(n, t, db.embedding_dim) for n, t in tables.items()}
+    out = {n: conform(n, t, dim) for n, t in tables.items()}
     for n, t in out.items():
         check_values(n, t)
     empty = pa.array([], pa.string())
@@ -145,10 +136,10 @@ def prepare_bulk(db: Database, tables: Mapping[str, pa.Table]) -> dict[str, pa.T
             vc = pc.value_counts(node_ids)
             dup = pc.filter(vc.field("values"), pc.greater(vc.field("counts"), 1))[0].as_py()
             raise DuplicateIdError(f"node id {dup!r} appears more than once in the batch")
-        clash = _in_store(db, node_ids, "nodes", "id", present=True, limit=1)
+        clash = _in_store(snap, node_ids, "nodes", "id", present=True, limit=1)
         if len(clash):
             raise DuplicateIdError(f"node id {clash[0].as_py()!r} already exists; bulk ingest writes new nodes only")
-        miss = _dangling(db, out, ("nodes", "session_id"), ("sessions", "id"))
+        miss = _dangling(snap, out, ("nodes", "session_id"), ("sessions", "id"))
         if miss:
             raise UnknownSessionError(f"node(s) name session {miss[0]!r}, which does not exist")
     # Every node a row refers to exists in the batch or the store: one lookup for all of them.
@@ -157,20 +148,20 @@ def prepare_bulk(db: Database, tables: Mapping[str, pa.Table]) -> dict[str, pa.T
     if refs:
         want = pc.unique(pa.concat_arrays([out[n].column(c).combine_chunks() for n, c in refs]))
         want = pc.filter(want, pc.invert(pc.is_in(want, node_ids)))
-        miss = _missing(db, "nodes", "id", want)
+        miss = _missing(snap, "nodes", "id", want)
         if miss:
             name, col = next((n, c) for n, c in refs if pc.any(pc.is_in(out[n].column(c), pa.array(miss[:1]))).as_py())
             err = UnknownParentError if col == "src" else UnknownNodeError
             raise err(f"{name}.{col} names node {miss[0]!r}, which does not exist")
-    _check_tasks(db, out)
+    _check_tasks(snap, out)
     if "edges" in out:
         _check_edges(out["edges"])
     if "comparisons" in out:
         _check_comparisons(out["comparisons"])
     if "artifacts" in out:
-        out["artifacts"] = _check_artifacts(db, out["artifacts"])
+        out["artifacts"] = _check_artifacts(snap, out["artifacts"])
     if "node_artifacts" in out:
-        miss = _dangling(db, out, ("node_artifacts", "hash"), ("artifacts", "hash"))
+        miss = _dangling(snap, out, ("node_artifacts", "hash"), ("artifacts", "hash"))
         if miss:
             raise ValidationError(
                 f"node_artifacts.hash names artifact {miss[0]!r}, which does not exist; "
@@ -179,9 +170,7 @@ def prepare_bulk(db: Database, tables: Mapping[str, pa.Table]) -> dict[str, pa.T
     if "rewards" in out:
         first = _first(out["rewards"], pc.invert(pc.is_finite(out["rewards"].column("value"))))
         if first is not None:
-            raise InvalidRewardError(
-                f"reward {first['channel']!r} of node {first['node_id']!r} is {first['value']!r}; rewards must be finite"
-            )
+            raise REWARD_NOT_FINITE.table(**first)
     for name in list(out):
         if name != "nodes":  # duplicate node ids are an error (above)
             out[name] = last_per_key(out[name], KEYS[name])
@@ -214,21 +203,21 @@ def _first(t: pa.Table, mask: pa.ChunkedArray | pa.Array) -> dict[str, object] |
     return row
 
 
-def _dangling(db: Database, out: dict[str, pa.Table], ref: tuple[str, str], target: tuple[str, str]) -> list[str]:
+def _dangling(snap: Snapshot, out: dict[str, pa.Table], ref: tuple[str, str], target: tuple[str, str]) -> list[str]:
     """Values of ``ref`` (table, column) found neither in the batch's ``target``
     table nor in the store (up to 5, for the message)."""
     want = pc.unique(out[ref[0]].column(ref[1]))
     if target[0] in out:
         want = pc.filter(want, pc.invert(pc.is_in(want, out[target[0]].column(target[1]))))
-    return _missing(db, target[0], target[1], want)
+    return _missing(snap, target[0], target[1], want)
 
 
-def _check_tasks(db: Database, out: dict[str, pa.Table]) -> None:
+def _check_tasks(snap: Snapshot, out: dict[str, pa.Table]) -> None:
     """Sessions and nodes name tasks that exist (in the batch or the database)."""
     for name in ("sessions", "nodes"):
         if name not in out:
             continue
-        miss = _dangling(db, out, (name, "task_id"), ("tasks", "id"))
+        miss = _dangling(snap, out, (name, "task_id"), ("tasks", "id"))
         if miss:
             raise ValidationError(
                 f"{name}.task_id names task {miss[0]!r}, which does not exist; add it with db.add_task "
@@ -239,12 +228,10 @@ def _check_tasks(db: Database, out: dict[str, pa.Table]) -> None:
 def _check_edges(edges: pa.Table) -> None:
     bad = _first(edges, pc.invert(pc.is_in(edges.column("kind"), pa.array(EDGE_KINDS))))
     if bad is not None:
-        raise ValidationError(f"edge {bad['src']!r} -> {bad['dst']!r} has unknown kind {bad['kind']!r}; "
-                              f"use one of {', '.join(EDGE_KINDS)}")
+        raise UNKNOWN_EDGE_KIND.table(**bad)
     loop = _first(edges, pc.equal(edges.column("src"), edges.column("dst")))
     if loop is not None:
-        raise ValidationError(f"edge {loop['src']!r} -> {loop['dst']!r} is a self-loop; "
-                              "lineage edges join two different nodes")
+        raise SELF_LOOP.table(**loop)
 
 
 def _check_comparisons(comps: pa.Table) -> None:
@@ -252,8 +239,7 @@ def _check_comparisons(comps: pa.Table) -> None:
     ok = pc.or_kleene(pc.is_null(pref), pc.or_(pc.equal(pref, comps.column("a")), pc.equal(pref, comps.column("b"))))
     bad = _first(comps, pc.invert(ok))
     if bad is not None:
-        raise ValidationError(f"comparison {bad['id']!r}: preferred {bad['preferred']!r} must be "
-                              f"{bad['a']!r}, {bad['b']!r} or null (a tie)")
+        raise NOT_PREFERRED.table(**bad)
 
 
 def _sha256_hex(col: pa.ChunkedArray) -> list[str | None]:
@@ -273,7 +259,7 @@ def _sha256_hex(col: pa.ChunkedArray) -> list[str | None]:
     return out
 
 
-def _check_artifacts(db: Database, arts: pa.Table) -> pa.Table:
+def _check_artifacts(snap: Snapshot, arts: pa.Table) -> pa.Table:
     """Check content addressing; drop artifacts the database already holds."""
     content = arts.column("content")
     if content.null_count:
@@ -298,7 +284,7 @@ def _check_artifacts(db: Database, arts: pa.Table) -> pa.Table:
         )
     arts = arts.set_column(arts.schema.get_field_index("size"), arts.schema.field("size"), pc.coalesce(size, length))
     # Same bytes are stored once: against the store here; within the batch, one row per key (below).
-    have = _in_store(db, arts.column("hash").combine_chunks(), "artifacts", "hash", present=True)
+    have = _in_store(snap, arts.column("hash").combine_chunks(), "artifacts", "hash", present=True)
     if len(have):
         arts = arts.filter(pc.invert(pc.is_in(arts.column("hash"), have)))
     return arts

@@ -12,6 +12,18 @@ Each message names the offending value and says what to do instead::
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Span:
+    """Where a node is in the query text: offsets [start, end), 1-based line and column."""
+
+    start: int
+    end: int
+    line: int
+    column: int
+
 
 class TrellisError(Exception):
     """Root of every error raised by trellisdb."""
@@ -71,7 +83,33 @@ class UnknownCommitError(TrellisError):
 
 
 class QueryError(TrellisError):
-    """A SQL or TQL query failed."""
+    """A SQL or TQL query failed.
+
+    An error about a place in a TQL text carries that place as data, besides the
+    line and column its message names: ``span``, a :class:`Span`
+    (offsets ``[start, end)`` into the text, 1-based ``line`` and ``column``), and
+    ``query``, the text itself, so ``e.query[e.span.start:e.span.end]`` is what the
+    error is about. ``span`` is None for an error without a place (a parameter given
+    but not used), ``query`` where the raising code had no TQL text (SQL, views)::
+
+        >>> import trellisdb
+        >>> from trellisdb.tql.parser import parse
+        >>> try:
+        ...     parse("NODES WHERE step == 3")
+        ... except trellisdb.QuerySyntaxError as e:
+        ...     print(e.span.line, e.span.column, repr(e.query[e.span.start:e.span.end]))
+        1 19 '='
+    """
+
+    #: where in ``query`` the error is (None: the error has no place in the text)
+    span: Span | None = None
+    #: the TQL text (None where the raising code had none)
+    query: str | None = None
+
+    def __init__(self, *args: object, span: Span | None = None, query: str | None = None) -> None:
+        super().__init__(*args)
+        self.span = span
+        self.query = query
 
 
 class CommitError(TrellisError):
@@ -88,10 +126,15 @@ class TransactionError(TrellisError):
 
 
 class QuerySyntaxError(QueryError):
-    """A TQL text that does not parse; the message shows the line, a caret and what was expected."""
+    """A TQL text that does not parse; the message shows the line, a caret and what was expected.
 
-    def __init__(self, message: str, line: int = 0, column: int = 0) -> None:
-        super().__init__(message)
+    ``line`` and ``column`` (1-based; 0 when unknown) are those of ``span`` when one is given."""
+
+    def __init__(self, message: str, line: int = 0, column: int = 0, *, span: Span | None = None,
+                 query: str | None = None) -> None:
+        super().__init__(message, span=span, query=query)
+        if span is not None and not line:
+            line, column = span.line, span.column
         self.line = line
         self.column = column
 
@@ -102,6 +145,10 @@ class QueryTypeError(QueryError):
 
 class QueryNameError(QueryError):
     """A TQL query naming an unknown column, function, channel, session, task, tag or parameter."""
+
+
+class PlanError(QueryError):
+    """A plan that breaks an operator's rule (a bug in the planner, reported clearly)."""
 
 
 class EmbedderError(TrellisError):

@@ -36,7 +36,9 @@ ingest).
 
 from __future__ import annotations
 
+import difflib
 import re
+from collections.abc import Iterable
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -129,3 +131,19 @@ def bad_names(column: pa.ChunkedArray | pa.Array, what: str) -> None:
     if pc.any(bad).as_py():
         first = pc.filter(column, bad)[0].as_py()
         check_name(first, what)  # raises with the value's own reason
+
+
+def did_you_mean(name: str, options: Iterable[str]) -> str:
+    """``"; did you mean 'x'?"`` for the option closest to a mistyped ``name`` (empty if none is close):
+    the one place every "unknown name" error gets its suggestion."""
+    close = difflib.get_close_matches(name, list(options), n=1, cutoff=0.6)
+    return f"; did you mean {close[0]!r}?" if close else ""
+
+
+def known(what: str, options: Iterable[str], limit: int = 12) -> str:
+    """``"; <what>: 'a', 'b', ..."``: the names that do exist, for an error message."""
+    opts = sorted(options)
+    if not opts:
+        return f"; there are no {what} yet"
+    more = f", ... ({len(opts)} in all)" if len(opts) > limit else ""
+    return f"; {what}: {', '.join(repr(o) for o in opts[:limit])}{more}"

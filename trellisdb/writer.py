@@ -14,144 +14,44 @@ from __future__ import annotations
 
 import datetime as dt
 import hashlib
-import json
 import math
 import numbers
 from array import array
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-import pyarrow as pa
-
+from trellisdb.batch import Batch
 from trellisdb.errors import (
     DuplicateIdError,
-    EmbeddingDimensionError,
-    InvalidRewardError,
     UnknownNodeError,
     UnknownParentError,
+    UnknownSessionError,
     ValidationError,
 )
 from trellisdb.ids import new_id
 from trellisdb.names import check_name, check_text
-from trellisdb.schema import DATA_TABLES, EDGE_KINDS, KEYS, table_schema
+from trellisdb.rules import (
+    COST_FIELDS,
+    NOT_PREFERRED,
+    REWARD_NOT_A_NUMBER,
+    REWARD_NOT_FINITE,
+    SAME_NODES,
+    SELF_LOOP,
+    UNKNOWN_COST_FIELD,
+    check_edge_kind,
+    check_embedding,
+    check_number,
+    config_text,
+)
 
 if TYPE_CHECKING:
-    from trellisdb.database import Database
+    from trellisdb.committer import Committer
 
 
 def _now() -> dt.datetime:
     return dt.datetime.now(dt.UTC)
-
-
-@dataclass
-class Batch:
-    """Rows waiting to be committed together, per table."""
-
-    rows: dict[str, list[dict[str, Any]]] = field(default_factory=lambda: {t: [] for t in DATA_TABLES})
-    nodes: dict[str, dict[str, Any]] = field(default_factory=dict)
-    #: ids of nodes created (by add_node) in this batch, not just re-statused
-    added: set[str] = field(default_factory=set)
-    sessions: dict[str, dict[str, Any]] = field(default_factory=dict)
-    tasks: set[str] = field(default_factory=set)
-    hashes: set[str] = field(default_factory=set)
-    session_id: str | None = None
-    #: space table -> (ids, (n, dim) float32 vectors) chunks, in write order
-    vectors: dict[str, list[tuple[list[str], Any]]] = field(default_factory=dict)
-    #: the sessions whose writes the batch holds (None: writes made outside a session)
-    writers: set[str | None] = field(default_factory=set)
-    #: set by the commit once its commit record is durable
-    commit_id: int | None = None
-
-    def __len__(self) -> int:
-        return sum(len(r) for r in self.rows.values()) + sum(len(i) for c in self.vectors.values() for i, _ in c)
-
-    def vector_tables(self, commit_id: int) -> dict[str, pa.Table]:
-        """The space rows of this batch as one Arrow table per space table (no per-row work)."""
-        from trellisdb.vectors import space_schema, vector_column
-
-        out = {}
-        for name, chunks in self.vectors.items():
-            ids = [i for c, _ in chunks for i in c]
-            mat = np.concatenate([m for _, m in chunks])
-            cols = [pa.array(ids, pa.string()), vector_column(mat), pa.array(np.full(len(ids), commit_id, np.int64))]
-            out[name] = pa.Table.from_arrays(cols, schema=space_schema(mat.shape[1]))
-        return out
-
-    def to_arrow(self, dim: int, commit_id: int) -> dict[str, pa.Table]:
-        out: dict[str, pa.Table] = {}
-        for name, all_rows in self.rows.items():
-            if not all_rows:
-                continue
-            # Two writes to one key in one commit: the later wins (a commit is
-            # atomic, so the earlier was never visible to anyone).
-            latest = {tuple(r[k] for k in KEYS[name]): r for r in all_rows}
-            rows = list(latest.values()) if len(latest) < len(all_rows) else all_rows
-            sch = table_schema(name, dim)
-            cols = {f.name: [r.get(f.name) for r in rows] for f in sch if f.name != "commit_id"}
-            cols["commit_id"] = [commit_id] * len(rows)
-            out[name] = pa.Table.from_pydict(cols, schema=sch)
-        return out
-
-
-#: The range of the int64 columns (steps, token counts).
-INT64_MAX = 2**63 - 1
-
-
-def _check_int(value: object, what: str, *, minimum: int = 0) -> int | None:
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise ValidationError(f"{what} must be an integer, got {type(value).__name__} {value!r}")
-    v = int(value)
-    if not minimum <= v <= INT64_MAX:
-        raise ValidationError(f"{what} must be a whole number in [{minimum}, 2**63 - 1], got {v}")
-    return v
-
-
-def _check_float(value: object, what: str, *, minimum: float | None = None) -> float | None:
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise ValidationError(f"{what} must be a number, got {type(value).__name__} {value!r}")
-    try:
-        f = float(value)
-    except OverflowError:
-        raise ValidationError(f"{what} must be finite, got {value!r}") from None
-    if not math.isfinite(f):
-        raise ValidationError(f"{what} must be finite, got {f!r}")
-    if minimum is not None and f < minimum:
-        raise ValidationError(f"{what} must be >= {minimum}, got {f!r}")
-    return f
-
-
-def check_embedding(value: object, dim: int, what: str) -> list[float] | None:
-    """``value`` as the float32 values it is stored as; NaN, infinities and values beyond float32's
-    range (which would be stored as infinities) are refused."""
-    if value is None:
-        return None
-    if isinstance(value, str | bytes):
-        raise ValidationError(f"{what} must be a sequence of numbers, got {type(value).__name__}")
-    try:
-        with np.errstate(over="ignore", invalid="ignore"):
-            vec = np.asarray(value, dtype=np.float64).astype(np.float32)
-    except (TypeError, ValueError, OverflowError) as e:
-        raise ValidationError(f"{what} must be a sequence of numbers, got {type(value).__name__}") from e
-    if vec.ndim != 1:
-        raise ValidationError(f"{what} must be a flat sequence of numbers, got shape {vec.shape}")
-    if len(vec) != dim:
-        raise EmbeddingDimensionError(
-            f"{what} has dimension {len(vec)}, but this database's embedding space has dimension {dim}"
-        )
-    if not np.isfinite(vec).all():
-        raise ValidationError(
-            f"{what} contains NaN or infinite values (or values beyond float32's range, |x| > 3.4e38: "
-            "embeddings are stored as float32)"
-        )
-    out: list[float] = vec.tolist()
-    return out
 
 
 @dataclass(frozen=True)
@@ -194,11 +94,11 @@ class SessionWriter:
     inside :meth:`Database.transaction`.
     """
 
-    def __init__(self, db: Database, session_id: str, task_id: str) -> None:
-        self._db = db
+    def __init__(self, committer: Committer, session_id: str, task_id: str, step: int = 0) -> None:
+        self._c = committer
         self.id = session_id
         self.task_id = task_id
-        self._step = 0
+        self._step = step
         self._closed = False
 
     def __enter__(self) -> SessionWriter:
@@ -212,9 +112,9 @@ class SessionWriter:
         """Record the session's final status and flush its writes."""
         check_name(status, "session status")
         self._closed = True
-        self._db._write_session_status(self.id, status)
-        if not self._db.in_transaction():
-            self._db.flush()
+        write_session_status(self._c, self.id, status)
+        if not self._c.in_transaction():
+            self._c.flush()
 
     def add_node(
         self,
@@ -235,7 +135,7 @@ class SessionWriter:
 
         All or nothing: the node, its edges and its artifacts are staged together once every
         value has passed its checks."""
-        db = self._db
+        c = self._c
         node_id = check_name(id, "node id", optional=True) or new_id()
         check_name(kind, "kind")
         check_name(status, "status")
@@ -247,19 +147,17 @@ class SessionWriter:
             )
         for p in parents:
             check_name(p, "parent id")
-        if edge_kind not in EDGE_KINDS:
-            raise ValidationError(f"unknown edge kind {edge_kind!r}; use one of {', '.join(EDGE_KINDS)}")
-        step_v = _check_int(step, "step")
+        check_edge_kind(edge_kind)
+        step_v = check_number("nodes", "step", step, "step")
         if step_v is None:
             step_v = self._step + 1
         if cost is not None and not isinstance(cost, Mapping):
             raise ValidationError(f"cost must be a mapping like {{'tokens_in': 10}}, got {type(cost).__name__}")
         cost = dict(cost or {})
-        unknown = set(cost) - {"tokens_in", "tokens_out", "seconds", "usd"}
+        unknown = set(cost) - set(COST_FIELDS)
         if unknown:
-            raise ValidationError(f"unknown cost field(s) {sorted(unknown, key=str)}; use tokens_in, tokens_out, "
-                                  "seconds, usd")
-        vec = check_embedding(embedding, db.embedding_dim, f"embedding of node {node_id!r}")
+            raise UNKNOWN_COST_FIELD.call(fields=sorted(unknown, key=str))
+        vec = check_embedding(embedding, c.embedding_dim, f"embedding of node {node_id!r}")
         if artifacts is not None and not isinstance(artifacts, Mapping):
             raise ValidationError(f"artifacts must be a mapping of role -> content, got {type(artifacts).__name__}")
         arts = [artifact(aname, content) for aname, content in (artifacts or {}).items()]
@@ -271,16 +169,13 @@ class SessionWriter:
             "step": step_v,
             "status": status,
             "summary": summary,
-            "tokens_in": _check_int(cost.get("tokens_in"), "cost tokens_in"),
-            "tokens_out": _check_int(cost.get("tokens_out"), "cost tokens_out"),
-            "seconds": _check_float(cost.get("seconds"), "cost seconds", minimum=0.0),
-            "usd": _check_float(cost.get("usd"), "cost usd", minimum=0.0),
+            **{k: check_number("nodes", k, cost.get(k), f"cost {k}") for k in COST_FIELDS},
             "source": source,
             "embedding": vec,
             "created_at": _now(),
         }
         if id is not None:
-            original = db._node_original(node_id, edge_kind)
+            original = c.node_original(node_id, edge_kind)
             if original is not None:
                 diff = _node_difference(original, row, set(parents), explicit_step=step is not None)
                 if diff:
@@ -289,14 +184,14 @@ class SessionWriter:
                         "use a new id, or omit id= to have one generated"
                     )
                 return node_id  # idempotent retry of the same write
-        missing = db._missing_nodes(list(parents))
+        missing = c.missing_nodes(list(parents))
         if missing:
             raise UnknownParentError(
                 f"parent {missing[0]!r} of node {node_id!r} does not exist; add the parent first "
                 f"(or flush it from the writer that made it)"
             )
         self._step = max(self._step, step_v)  # only a node actually written advances the counter
-        with db._sink(self.id) as b:
+        with c.sink(self.id) as b:
             b.rows["nodes"].append(row)
             b.nodes[node_id] = row
             b.added.add(node_id)
@@ -310,28 +205,27 @@ class SessionWriter:
         """Add a typed lineage edge ``src -> dst`` between existing nodes."""
         check_name(src, "edge source")
         check_name(dst, "edge target")
-        if kind not in EDGE_KINDS:
-            raise ValidationError(f"unknown edge kind {kind!r}; use one of {', '.join(EDGE_KINDS)}")
+        check_edge_kind(kind)
         if src == dst:
-            raise ValidationError(f"edge {src!r} -> {dst!r} is a self-loop; lineage edges join two different nodes")
-        missing = self._db._missing_nodes([src, dst])
+            raise SELF_LOOP.call(src=src, dst=dst)
+        missing = self._c.missing_nodes([src, dst])
         if missing:
             raise UnknownNodeError(f"edge {src!r} -> {dst!r}: node {missing[0]!r} does not exist")
-        with self._db._sink(self.id) as b:
+        with self._c.sink(self.id) as b:
             b.rows["edges"].append({"src": src, "dst": dst, "kind": kind, "session_id": self.id})
 
     def add_artifact(self, node_id: str, name: str, content: str | bytes, media_type: str | None = None) -> str:
         """Attach a content-addressed payload to a node; return its sha256 hash."""
         check_name(node_id, "node id")
         a = artifact(name, content, media_type)
-        if self._db._missing_nodes([node_id]):
+        if self._c.missing_nodes([node_id]):
             raise UnknownNodeError(f"artifact {name!r}: node {node_id!r} does not exist")
-        with self._db._sink(self.id) as b:
+        with self._c.sink(self.id) as b:
             self._stage_artifact(b, node_id, a)
         return a.hash
 
     def _stage_artifact(self, b: Batch, node_id: str, a: Artifact) -> None:
-        if a.hash not in b.hashes and not self._db._has_artifact(a.hash):
+        if a.hash not in b.hashes and not self._c.has_artifact(a.hash):
             b.rows["artifacts"].append({"hash": a.hash, "media_type": a.media_type, "size": len(a.data),
                                         "content": a.data})
             b.hashes.add(a.hash)
@@ -350,23 +244,18 @@ class SessionWriter:
         check_name(node_id, "node id")
         check_name(channel, "reward channel")
         if isinstance(value, bool) or not isinstance(value, numbers.Real):
-            raise InvalidRewardError(
-                f"reward {channel!r} of node {node_id!r} must be a number, got {type(value).__name__} {value!r}"
-            )
+            raise REWARD_NOT_A_NUMBER.call(channel=channel, node_id=node_id, type=type(value).__name__, value=value)
         try:
             v = float(value)
         except OverflowError:
             v = math.inf
         if not math.isfinite(v):
-            raise InvalidRewardError(
-                f"reward {channel!r} of node {node_id!r} is {v!r}; rewards must be finite "
-                "(record a failed evaluation as a status, or as a separate channel)"
-            )
+            raise REWARD_NOT_FINITE.call(channel=channel, node_id=node_id, value=v)
         check_name(verifier, "verifier", optional=True)
         check_name(verifier_version, "verifier_version", optional=True)
-        if self._db._missing_nodes([node_id]):
+        if self._c.missing_nodes([node_id]):
             raise UnknownNodeError(f"reward {channel!r}: node {node_id!r} does not exist")
-        with self._db._sink(self.id) as b:
+        with self._c.sink(self.id) as b:
             b.rows["rewards"].append(
                 {
                     "node_id": node_id,
@@ -394,23 +283,23 @@ class SessionWriter:
         check_name(a, "comparison node a")
         check_name(b, "comparison node b")
         if a == b:
-            raise ValidationError(f"comparison of {a!r} with itself; a comparison judges two different nodes")
+            raise SAME_NODES.call(a=a)
         if preferred is not None and preferred not in (a, b):
-            raise ValidationError(f"preferred {preferred!r} must be {a!r}, {b!r} or None (a tie)")
+            raise NOT_PREFERRED.call(preferred=preferred, a=a, b=b)
         comparison_id = check_name(id, "comparison id", optional=True) or new_id()
         row = {
             "id": comparison_id,
             "a": a,
             "b": b,
             "preferred": preferred,
-            "margin": _check_float(margin, "margin"),
+            "margin": check_number("comparisons", "margin", margin, "margin"),
             "judge": check_name(judge, "judge", optional=True),
         }
-        missing = self._db._missing_nodes([a, b])
+        missing = self._c.missing_nodes([a, b])
         if missing:
             raise UnknownNodeError(f"comparison: node {missing[0]!r} does not exist")
         if id is not None:
-            old = self._db._comparison_row(comparison_id)
+            old = self._c.comparison_row(comparison_id)
             if old is not None:
                 if any(old.get(k) != v for k, v in row.items()):
                     raise DuplicateIdError(
@@ -418,7 +307,7 @@ class SessionWriter:
                         f"preferred {old['preferred']!r}); use a new id, or omit id="
                     )
                 return comparison_id  # the same judgment again: a retry
-        with self._db._sink(self.id) as batch:
+        with self._c.sink(self.id) as batch:
             batch.rows["comparisons"].append(row)
         return comparison_id
 
@@ -435,7 +324,7 @@ class SessionWriter:
             raise ValidationError(f"set_status takes a node id or a list of them, got {type(node_id).__name__}")
         for i in ids:
             check_name(i, "node id")
-        self._db._set_status(list(ids), status, self.id)
+        set_status(self._c, list(ids), status, self.id)
 
 
 #: Node fields a retried ``add_node`` with the same id must repeat exactly.
@@ -464,29 +353,142 @@ def _node_difference(
     return None
 
 
-def config_text(config: Mapping[str, Any] | str | None) -> str | None:
-    """A session config as the JSON text stored: a mapping is serialized (keys sorted), a string
-    must be JSON already. NaN, infinities and objects JSON has no form for are refused."""
-    if config is None:
-        return None
-    if isinstance(config, str):
-        check_text(config, "session config")
+# ------------------------------------------------------- sessions and tasks
+def open_session(
+    c: Committer,
+    *,
+    task: str,
+    agent: str | None = None,
+    model: str | None = None,
+    config: Mapping[str, Any] | str | None = None,
+    id: str | None = None,
+    task_spec: str | None = None,
+) -> SessionWriter:
+    """Start (or reopen, with the same identity) a session; see :meth:`Database.session`."""
+    c.store.writable("session")
+    check_name(task, "task id")
+    sid = check_name(id, "session id", optional=True) or new_id()
+    row = {
+        "id": sid,
+        "task_id": task,
+        "agent": check_name(agent, "agent", optional=True),
+        "model": check_name(model, "model", optional=True),
+        "config": config_text(config),
+        "status": "running",
+        "created_at": _now(),
+    }
+    check_text(task_spec, "task spec")
+    old = c.session_row(sid) if id is not None else None
+    if old is not None:
+        given = {k: v for k, v in row.items() if k in ("task_id", "agent", "model", "config") and
+                 (v is not None or k == "task_id")}
+        diff = [k for k, v in given.items() if old.get(k) != v]
+        if diff:
+            raise DuplicateIdError(
+                f"session {sid!r} exists with {', '.join(f'{k} {old.get(k)!r}' for k in diff)}, not "
+                f"{', '.join(repr(given[k]) for k in diff)}; continue it with db.resume({sid!r}) or choose "
+                "another id"
+            )
+        row = {**old, "status": "running", "created_at": row["created_at"]}
+    with c.sink(sid) as b:
+        if task not in b.tasks and not c.exists("tasks", "id", task):
+            _add_task_row(c, b, task, None, task_spec, None, None)
+        b.rows["sessions"].append(row)
+        b.sessions[sid] = row
+        b.session_id = sid
+    return SessionWriter(c, sid, task, c.max_step(sid) if old is not None else 0)
 
-        def no_constant(c: str) -> None:
-            raise ValueError(f"{c} is not JSON")
 
-        try:
-            json.loads(config, parse_constant=no_constant)
-        except ValueError as e:
-            raise ValidationError(f"session config text must be JSON ({e}); pass a dict to have it serialized") from None
-        return config
-    if not isinstance(config, Mapping):
-        raise ValidationError(f"session config must be a mapping or JSON text, got {type(config).__name__}")
-    try:
-        text = json.dumps(config, sort_keys=True, allow_nan=False, ensure_ascii=False)
-    except (TypeError, ValueError, RecursionError) as e:
-        raise ValidationError(
-            f"session config must hold only JSON values (strings, finite numbers, booleans, null, lists and "
-            f"mappings with string keys): {e}"
-        ) from None
-    return check_text(text, "session config")
+def resume_session(c: Committer, session_id: str) -> SessionWriter:
+    """A writer for an existing session, its step counter where it stopped."""
+    c.store.writable("resume")
+    row = c.session_row(check_name(session_id, "session id") or "")
+    if row is None:
+        raise UnknownSessionError(f"session {session_id!r} does not exist")
+    return SessionWriter(c, session_id, row["task_id"], c.max_step(session_id))
+
+
+def add_task(
+    c: Committer,
+    id: str,
+    *,
+    name: str | None = None,
+    spec: str | None = None,
+    tags: Sequence[str] | None = None,
+    embedding: Sequence[float] | None = None,
+) -> str:
+    """Declare a task; see :meth:`Database.add_task`."""
+    c.store.writable("add_task")
+    check_name(id, "task id")
+    with c.sink() as b:
+        _add_task_row(c, b, id, name, spec, tags, embedding, old=c.task_row(id, b))
+    return id
+
+
+def _add_task_row(
+    c: Committer,
+    b: Batch,
+    id: str,
+    name: str | None,
+    spec: str | None,
+    tags: Sequence[str] | None,
+    embedding: Sequence[float] | None,
+    old: dict[str, Any] | None = None,
+) -> None:
+    if isinstance(tags, str) or (tags is not None and not isinstance(tags, Sequence | set | frozenset)):
+        raise ValidationError(f"tags of task {id!r} must be a list of strings, got {tags!r}")
+    for t in tags or ():
+        check_name(t, f"tag of task {id!r}")
+    row = {
+        "id": id,
+        "name": id if name is None else check_text(name, "task name", optional=False),
+        "spec": check_text(spec, "task spec"),
+        "tags": list(tags) if tags else None,
+        "embedding": check_embedding(embedding, c.embedding_dim, f"embedding of task {id!r}"),
+        "created_at": _now(),
+    }
+    if old is not None:
+        given = {"name": name, "spec": spec, "tags": tags, "embedding": embedding}
+        diff = [k for k, v in given.items() if v is not None and old.get(k) != row[k]]
+        if diff:
+            raise DuplicateIdError(
+                f"task {id!r} exists with another {', '.join(diff)}; a task is declared once (choose another id)"
+            )
+        return  # declared again, the same: nothing to write
+    b.rows["tasks"].append(row)
+    b.tasks.add(id)
+
+
+def write_session_status(c: Committer, session_id: str, status: str) -> None:
+    """A new row of the session with ``status``."""
+    with c.sink(session_id) as b:
+        row = b.sessions.get(session_id)
+        if row is None:
+            row = c.session_row(session_id)
+            if row is None:
+                raise UnknownSessionError(f"session {session_id!r} does not exist")
+            b.rows["sessions"].append(row)
+            b.sessions[session_id] = row
+        row["status"] = status
+
+
+def set_status(c: Committer, node_ids: str | Sequence[str], status: str, session_id: str | None = None) -> None:
+    """New rows for the nodes with ``status``; committed rows are looked up in one query."""
+    ids = [node_ids] if isinstance(node_ids, str) else list(dict.fromkeys(node_ids))
+    with c.sink() as b:
+        b.session_id = session_id or b.session_id
+        found = c.node_rows([i for i in ids if i not in b.nodes])
+        missing = [i for i in ids if i not in b.nodes and i not in found]
+        if missing:  # before any row changes: all or nothing
+            raise UnknownNodeError(
+                f"set_status: node(s) {missing[:5]!r} do not exist" + (f" ({len(missing)} in all)" if len(missing) > 5 else "")
+            )
+        now = _now()
+        for node_id in ids:
+            row = b.nodes.get(node_id)
+            if row is None:
+                row = dict(found[node_id])
+                row["created_at"] = now
+                b.rows["nodes"].append(row)
+                b.nodes[node_id] = row
+            row["status"] = status

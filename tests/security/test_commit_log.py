@@ -36,7 +36,7 @@ def _store(path: Path, commits: int = 6) -> tuple[dict[int, set[str]], int]:
                 s.add_reward(n, "score", float(i))
         assert tx.commit_id is not None
         written[tx.commit_id] = ids
-    top = db._log.refresh().max_id
+    top = db._store.log.refresh().max_id
     db.close()
     return written, top
 
@@ -174,7 +174,7 @@ def test_rows_of_an_unacknowledged_commit_are_quarantined(tmp_path: Path, monkey
         _fail_after_appends(m, {"nodes"})
         with pytest.raises(Exception, match="simulated crash"), db.transaction():
             db.session(task="t", agent="a", id="s1").add_node(id="ghost", summary="never acknowledged")
-    dead = db._log.refresh().max_id
+    dead = db._store.log.refresh().max_id
     db.close()
     lines = _lines(p)
     assert json.loads(lines[-1].split(b"\t")[0]) == {"op": "begin", "id": dead}
@@ -234,7 +234,7 @@ def test_repair_collects_a_commit_a_writer_died_in(tmp_path: Path, monkeypatch: 
         _fail_after_appends(m, {"nodes"})
         with pytest.raises(Exception, match="simulated crash"), db.transaction():
             db.session(task="t", agent="a", id="s1").add_node(id="half", summary="half-written")
-    dead = db._log.refresh().max_id
+    dead = db._store.log.refresh().max_id
     db.close()
     _append_stray_node(p, dead + 3, "stray")
     db = trellisdb.connect(p)

@@ -72,6 +72,14 @@ def tier_target(frags: list[tuple[int, int]], fanout: int) -> int | None:
     return max(1, min(MAX_ROWS_PER_FRAGMENT, target * rows // size))
 
 
+def take(ds: lance.LanceDataset, addresses: pa.Array, columns: list[str]) -> pa.Table:
+    """The rows of ``ds`` at Lance row ``addresses`` (fragment id << 32 | offset), ``columns``
+    only. Lance marks its take by row address unstable (``_take_rows``, "internal use only"):
+    this is the one place trellisdb calls it, and callers treat a failure as a miss and read
+    another way."""
+    return ds._take_rows(addresses, columns=columns)
+
+
 def _fragment_size(meta: Any) -> tuple[int, int]:
     rows = int(meta.physical_rows or 0)
     size = sum(int(f.file_size_bytes or 0) for f in meta.files)

@@ -19,19 +19,14 @@ from typing import Any
 from lark import Token, Transformer, v_args
 
 from trellisdb.errors import QueryError, QuerySyntaxError
-
-
-@dataclass(frozen=True)
-class Span:
-    """Where a node is in the query text: offsets [start, end), 1-based line and column."""
-
-    start: int
-    end: int
-    line: int
-    column: int
-
+from trellisdb.errors import Span as Span  # re-exported: every node carries one
 
 NO_SPAN = Span(0, 0, 0, 0)
+
+
+def place(span: Span) -> Span | None:
+    """``span`` for an error to carry, None for :data:`NO_SPAN` (a node the query text did not write)."""
+    return span if span.line else None
 
 
 # ------------------------------------------------------------------ expressions
@@ -84,7 +79,8 @@ class BoolOp:
     A chain of thousands of terms is as shallow as one of two, so no stage
     recurses along it; parentheses the query writes are kept as nested nodes.
 
-    >>> str(BoolOp("AND", (Column("a"), Column("b"), Column("c"))))
+    >>> from trellisdb.tql.show import show
+    >>> show(BoolOp("AND", (Column("a"), Column("b"), Column("c"))))
     '(a AND b AND c)'
     >>> BoolOp("AND", (Column("a"),))
     Traceback (most recent call last):
@@ -102,12 +98,6 @@ class BoolOp:
         if not isinstance(self.operands, tuple) or len(self.operands) < 2:
             n = len(self.operands) if isinstance(self.operands, tuple) else type(self.operands).__name__
             raise QueryError(f"BoolOp {self.op} needs at least two operands, got {n}; use the operand itself")
-
-    def __str__(self) -> str:
-        # show() prints nodes it has no branch for with str()
-        from trellisdb.tql.show import show
-
-        return "(" + f" {self.op} ".join(show(o) for o in self.operands) + ")"
 
 
 @dataclass(frozen=True)
@@ -139,6 +129,8 @@ class Between:
     span: Span = NO_SPAN
 
 
+#: Every kind of expression: a closed union, so that a ``match`` over it ending in
+#: ``case _: assert_never(e)`` is checked for a missing kind by ``mypy --strict``.
 Expr = Literal | Param | Column | Call | Neg | Binary | BoolOp | Not | IsNull | InList | Between
 Value = Literal | Param
 
@@ -258,7 +250,7 @@ class Retrieve:
 
 @dataclass(frozen=True)
 class ViewCommand:
-    """CREATE VIEW / MATERIALIZE / REFRESH / EXPORT / DROP VIEW / SHOW VIEWS (``trellisdb/views.py``).
+    """CREATE VIEW / MATERIALIZE / REFRESH / EXPORT / DROP VIEW / SHOW VIEWS (``trellisdb/training/``).
     ``options`` hold literal values, names as text, lists, and -- for ``reward`` -- the
     expression's TQL text; ``where`` is the condition's text."""
 
@@ -274,12 +266,14 @@ class ViewCommand:
     span: Span = NO_SPAN
 
 
+#: Every kind of query statement (closed, like :data:`Expr`); ``Command`` adds the view statements.
 Statement = Select | Frontier | Lineage | Siblings | PathQuery | Retrieve
+Command = Statement | ViewCommand
 
 
 @dataclass(frozen=True)
 class Query:
-    statement: Statement | ViewCommand
+    statement: Command
     as_of: AsOf | None
     explain: bool
     text: str
@@ -332,10 +326,11 @@ def _option_value(v: Any, text: str) -> Any:
     if isinstance(v, Column):
         return v.name
     if isinstance(v, Param):
-        raise QuerySyntaxError(f"a view is stored, so its options cannot be parameters (${v.name}); write the value")
+        raise QuerySyntaxError(f"a view is stored, so its options cannot be parameters (${v.name}); write the value",
+                               span=place(v.span), query=text)
     span = getattr(v, "span", NO_SPAN)
     raise QuerySyntaxError(f"view option value {text[span.start:span.end]!r} must be a number, text, true/false, "
-                           "a name or a [list]")
+                           "a name or a [list]", span=place(span), query=text)
 
 
 @v_args(meta=True)
@@ -349,8 +344,7 @@ class ToAst(Transformer[Token, Any]):
     # -- statements
     def start(self, meta: Any, items: list[Any]) -> Query:
         explain = any(i == "@explain" for i in items)
-        stmt = next(i for i in items if isinstance(i, Select | Frontier | Lineage | Siblings | PathQuery | Retrieve
-                                                   | ViewCommand))
+        stmt = next(i for i in items if isinstance(i, Command))
         as_of = next((i for i in items if isinstance(i, AsOf)), None)
         return Query(stmt, as_of, explain, self.text)
 
@@ -363,7 +357,7 @@ class ToAst(Transformer[Token, Any]):
         if _has_param(e):
             raise QuerySyntaxError(
                 f"a view is stored, so it cannot use parameters ({self.text[e.span.start:e.span.end]!r}); "
-                "write the value into the definition"
+                "write the value into the definition", span=place(e.span), query=self.text
             )
         return self.text[e.span.start:e.span.end]
 
@@ -383,7 +377,8 @@ class ToAst(Transformer[Token, Any]):
     def view_opt(self, meta: Any, items: list[Any]) -> tuple[str, Any]:
         name, op, value = items[0], items[1], items[2]
         if str(op) != "=":
-            raise QuerySyntaxError(f"a view option is NAME = VALUE, not {name} {op} ...")
+            raise QuerySyntaxError(f"a view option is NAME = VALUE, not {name} {op} ...",
+                                   span=place(_tok_span(op)) if isinstance(op, Token) else None, query=self.text)
         if name == "reward":
             return (name, self._source(value))
         return (name, _option_value(value, self.text))
@@ -493,14 +488,13 @@ class ToAst(Transformer[Token, Any]):
         return PathQuery(rest[0], rest[1], c.get("via", ()), c.get("returning", ()), _span(meta))
 
     def retrieve(self, meta: Any, items: list[Any]) -> Retrieve:
-        from trellisdb.errors import QuerySyntaxError
-
         c = _clauses(items)
         k = _kw(items)[0]
         similar = [i for i in items if isinstance(i, tuple) and i[0] == "@similar"]
         matching = [i for i in items if isinstance(i, tuple) and i[0] == "@matching"]
         if len(similar) > 1 or len(matching) > 1:
-            raise QuerySyntaxError("RETRIEVE takes at most one SIMILAR TO and one MATCHING", meta.line, meta.column)
+            raise QuerySyntaxError("RETRIEVE takes at most one SIMILAR TO and one MATCHING", meta.line, meta.column,
+                                   span=place(_span(meta)), query=self.text)
         sim, space = similar[0][1] if similar else (None, None)
         expand, via = c.get("expand", ((), ()))
         return Retrieve(k, sim, space, matching[0][1] if matching else None, c.get("from", "nodes"), c.get("where"),

@@ -22,12 +22,12 @@ import dataclasses
 import datetime as dt
 import functools
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, assert_never
 
 import sqlglot
 from sqlglot import exp
 
-from trellisdb.errors import QueryError
+from trellisdb.errors import PlanError, QueryError
 from trellisdb.graph import FOUND_SCHEMA
 from trellisdb.tql import ast as A
 from trellisdb.tql import plan as P
@@ -127,46 +127,51 @@ class Compiler:
     # -- expressions
     def expr(self, e: A.Expr) -> exp.Expr:
         x = self.expr
-        if isinstance(e, A.Literal):
-            return self.value(e.value)
-        if isinstance(e, A.Column):
-            return exp.column(e.name, quoted=True)
-        if isinstance(e, A.Call):
-            if e.name == "reward":
-                ch = e.args[0]
-                assert isinstance(ch, A.Literal)
-                return exp.column(self.rewards[str(ch.value)], quoted=True)
-            if e.name == "ucb":
-                v, n, c = (x(a) for a in e.args)
-                subs = {"__v": _paren(v), "__n": _paren(n), "__c": _paren(c)}
-                return _paren(_UCB.copy().transform(
-                    lambda node: subs[node.name].copy() if isinstance(node, exp.Column) and node.name in subs else node,
-                    copy=False,
-                ))
-            return exp.Anonymous(this=e.name, expressions=[x(a) for a in e.args])
-        if isinstance(e, A.Neg):
-            return exp.Neg(this=_paren(x(e.operand)))
-        if isinstance(e, A.Binary):
-            return _paren(_BINARY[e.op](this=x(e.left), expression=x(e.right)))
-        if isinstance(e, A.BoolOp):
-            # one parenthesized flat chain, (a AND b AND c): sqlglot prints a left-deep And/Or
-            # chain with a loop, not recursion, and every operand is already parenthesized
-            join = _BINARY[e.op]
-            out = x(e.operands[0])
-            for o in e.operands[1:]:
-                out = join(this=out, expression=x(o))
-            return _paren(out)
-        if isinstance(e, A.Not):
-            return exp.Not(this=_paren(x(e.operand)))
-        if isinstance(e, A.IsNull):
-            isnull = exp.Is(this=x(e.operand), expression=exp.Null())
-            return exp.Not(this=isnull) if e.negated else isnull
-        if isinstance(e, A.InList):
-            inl = exp.In(this=x(e.operand), expressions=[x(i) for i in e.items])
-            return exp.Not(this=inl) if e.negated else inl
-        if isinstance(e, A.Between):
-            return exp.Between(this=x(e.operand), low=x(e.low), high=x(e.high))
-        raise QueryError(f"cannot compile {type(e).__name__}")  # pragma: no cover
+        match e:
+            case A.Literal():
+                return self.value(e.value)
+            case A.Param():  # pragma: no cover - the resolver binds every parameter
+                raise QueryError(f"cannot compile {type(e).__name__}")
+            case A.Column():
+                return exp.column(e.name, quoted=True)
+            case A.Call():
+                if e.name == "reward":
+                    ch = e.args[0]
+                    assert isinstance(ch, A.Literal)
+                    return exp.column(self.rewards[str(ch.value)], quoted=True)
+                if e.name == "ucb":
+                    v, n, c = (x(a) for a in e.args)
+                    subs = {"__v": _paren(v), "__n": _paren(n), "__c": _paren(c)}
+                    return _paren(_UCB.copy().transform(
+                        lambda node: subs[node.name].copy() if isinstance(node, exp.Column) and node.name in subs
+                        else node,
+                        copy=False,
+                    ))
+                return exp.Anonymous(this=e.name, expressions=[x(a) for a in e.args])
+            case A.Neg():
+                return exp.Neg(this=_paren(x(e.operand)))
+            case A.Binary():
+                return _paren(_BINARY[e.op](this=x(e.left), expression=x(e.right)))
+            case A.BoolOp():
+                # one parenthesized flat chain, (a AND b AND c): sqlglot prints a left-deep And/Or
+                # chain with a loop, not recursion, and every operand is already parenthesized
+                join = _BINARY[e.op]
+                out = x(e.operands[0])
+                for o in e.operands[1:]:
+                    out = join(this=out, expression=x(o))
+                return _paren(out)
+            case A.Not():
+                return exp.Not(this=_paren(x(e.operand)))
+            case A.IsNull():
+                isnull = exp.Is(this=x(e.operand), expression=exp.Null())
+                return exp.Not(this=isnull) if e.negated else isnull
+            case A.InList():
+                inl = exp.In(this=x(e.operand), expressions=[x(i) for i in e.items])
+                return exp.Not(this=inl) if e.negated else inl
+            case A.Between():
+                return exp.Between(this=x(e.operand), low=x(e.low), high=x(e.high))
+            case _:
+                assert_never(e)
 
     def ordered(self, keys: tuple[A.OrderItem, ...], names: list[str], tie: tuple[str, ...]) -> list[exp.Ordered]:
         out = [
@@ -190,9 +195,35 @@ class Compiler:
 
     # -- operators
     def compile(self, p: P.Plan) -> str:
-        method = getattr(self, "op_" + type(p).__name__)
-        name: str = method(p)
-        return name
+        """The CTE holding ``p``'s rows (Sort and Project add to the final SELECT instead)."""
+        op = P.as_operator(p)
+        match op:
+            case P.Scan():
+                return self.op_Scan(op)
+            case P.Walk():
+                return self.op_Walk(op)
+            case P.SiblingsOf():
+                return self.op_SiblingsOf(op)
+            case P.ShortestPath():
+                return self.op_ShortestPath(op)
+            case P.VectorSearch():
+                return self.op_VectorSearch(op)
+            case P.Expand():
+                return self.op_Expand(op)
+            case P.Derive():
+                return self.op_Derive(op)
+            case P.Filter():
+                return self.op_Filter(op)
+            case P.TopPerGroup():
+                return self.op_TopPerGroup(op)
+            case P.Sort():
+                return self.op_Sort(op)
+            case P.Limit():
+                return self.op_Limit(op)
+            case P.Project():
+                return self.op_Project(op)
+            case _:
+                assert_never(op)
 
     def op_Scan(self, p: P.Scan) -> str:
         sel = _template(f"SELECT * FROM {p.entity}")
@@ -204,7 +235,9 @@ class Compiler:
                 sel = sel.where(exp.column("node_id").isin(query=sub), copy=False)
             else:
                 sel = sel.where(exp.EQ(this=exp.column(col), expression=v), copy=False)
-        return self.cte(sel)
+        if p.restrict_to is not None:
+            sel = sel.where(exp.column("id").isin(query=_template(f"SELECT id FROM {p.restrict_to}")), copy=False)
+        return self.cte(sel, materialized=p.restrict_to is not None)
 
     def _edges(self, kinds: tuple[str, ...]) -> str:
         sel = exp.select("src", "dst").from_("edges", copy=False).where(self.kinds_in("kind", kinds), copy=False)
@@ -255,32 +288,45 @@ class Compiler:
         ``tql/retrieve.py``) and read as the relation ``__found``."""
         return self.cte(_template(f"SELECT {', '.join(FOUND_SCHEMA.names)} FROM __found"))
 
+    def _attach(self, relation: P.Plan, extras: list[str], entity: str) -> tuple[exp.Select, list[str], str]:
+        """A graph relation (id, hop | shared_parent | RETRIEVE's columns) with its node rows attached:
+        the SELECT, its columns, and the filter restricting an aggregate to the nodes the walk reached."""
+        rel = self.compile(relation)
+        sel = _template(
+            f"SELECT b.*, {', '.join('r.' + x for x in extras)} FROM {rel} AS r JOIN {entity} AS b ON b.id = r.id"
+        )
+        return sel, ENTITY_COLUMNS[entity] + extras, f" AND {{col}} IN (SELECT id FROM {rel})"
+
     def op_Derive(self, p: P.Derive) -> str:
-        if isinstance(p.input, P.Scan):
-            src = self.compile(p.input)
-            sel = exp.select("b.*", copy=False).from_(exp.alias_(exp.to_table(src), "b"), copy=False)
-            entity_cols = ENTITY_COLUMNS[p.input.entity]
-            # a scoped scan: aggregate only the edges of its nodes, not of the whole graph
-            ids = f" AND {{col}} IN (SELECT id FROM {src})" if p.input.scope is not None else ""
-        else:  # a graph relation (id, hop | shared_parent | RETRIEVE's columns): attach the node rows
-            rel = self.compile(p.input)
-            if isinstance(p.input, P.Expand):
-                extras = list(RETRIEVE_COLUMNS)
-                entity = p.input.entity
-            else:
-                extras = ["shared_parent" if isinstance(p.input, P.SiblingsOf) else "hop"]
-                entity = "nodes"
-            sel = _template(
-                f"SELECT b.*, {', '.join('r.' + x for x in extras)} FROM {rel} AS r JOIN {entity} AS b ON b.id = r.id"
-            )
-            entity_cols = ENTITY_COLUMNS[entity] + extras
-            ids = f" AND {{col}} IN (SELECT id FROM {rel})"  # only the nodes the walk reached
+        src = P.as_operator(p.input)
+        match src:
+            case P.Scan():
+                rel = self.compile(src)
+                sel = exp.select("b.*", copy=False).from_(exp.alias_(exp.to_table(rel), "b"), copy=False)
+                entity_cols = ENTITY_COLUMNS[src.entity]
+                # a scoped scan: aggregate only the edges of its nodes, not of the whole graph
+                ids = f" AND {{col}} IN (SELECT id FROM {rel})" if src.scope is not None else ""
+                only = src.restrict_to
+            case P.Expand():
+                sel, entity_cols, ids = self._attach(src, list(RETRIEVE_COLUMNS), src.entity)
+                only = None
+            case P.SiblingsOf():
+                sel, entity_cols, ids = self._attach(src, ["shared_parent"], "nodes")
+                only = None
+            case P.Walk() | P.ShortestPath():
+                sel, entity_cols, ids = self._attach(src, ["hop"], "nodes")
+                only = None
+            case P.VectorSearch() | P.Derive() | P.Filter() | P.TopPerGroup() | P.Sort() | P.Limit() | P.Project():
+                raise PlanError(f"Derive reads a Scan, a graph walk or an Expand, not a {type(src).__name__}")
+            case _:
+                assert_never(src)
         self.rewards = reward_column_names(p.channels, entity_cols)
         for i, ch in enumerate(p.channels):
             alias = f"r{i}"
-            sub = _template("SELECT node_id, value FROM rewards").where(
-                exp.EQ(this=exp.column("channel"), expression=self.value(ch)), copy=False
-            )
+            sub = _template("SELECT node_id, value FROM rewards")
+            if only is not None:  # a restricted scan: only its nodes' rewards
+                sub = sub.where(exp.column("node_id").isin(query=_template(f"SELECT id FROM {only}")), copy=False)
+            sub = sub.where(exp.EQ(this=exp.column("channel"), expression=self.value(ch)), copy=False)
             sel = sel.join(exp.alias_(exp.paren(sub), alias), on=f"{alias}.node_id = b.id", join_type="left",
                            copy=False)
             sel = sel.select(exp.alias_(exp.column("value", table=alias), self.rewards[ch], quoted=True), copy=False)

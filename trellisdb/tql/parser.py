@@ -12,6 +12,9 @@ Traceback (most recent call last):
 trellisdb.errors.QuerySyntaxError: line 1, column 12: the query ends too early; expected an expression
   NODES WHERE
              ^
+
+A syntax error also carries its place as data: ``span`` (offsets into the text,
+line, column) and ``query`` (the text), see :class:`~trellisdb.errors.QueryError`.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ import lark
 from lark.exceptions import UnexpectedCharacters, UnexpectedEOF, UnexpectedInput, UnexpectedToken
 
 from trellisdb.errors import QuerySyntaxError
-from trellisdb.tql.ast import Query, ToAst
+from trellisdb.tql.ast import Query, Span, ToAst
 
 # ------------------------------------------------------------------ size limits
 # A query is data from an agent or a user: these bound the work one text can ask
@@ -198,7 +201,7 @@ def parse(text: str) -> Query:
     if len(text) > MAX_QUERY_CHARS:
         raise QuerySyntaxError(
             f"the query is {len(text)} characters long, over the limit of {MAX_QUERY_CHARS}; pass long values "
-            "as $parameters, or split it into several queries"
+            "as $parameters, or split it into several queries", query=text
         )
     if len(text) > CACHED_QUERY_CHARS:
         return _parse.__wrapped__(text)
@@ -208,32 +211,36 @@ def parse(text: str) -> Query:
 @functools.lru_cache(maxsize=1024)
 def _parse(text: str) -> Query:
     if not text.strip():
-        raise QuerySyntaxError("the query is empty; try: NODES LIMIT 10")
+        raise QuerySyntaxError("the query is empty; try: NODES LIMIT 10", query=text)
     p = parser()
     try:
         tree = p.parse(text)
     except UnexpectedInput as e:
         raise _syntax_error(text, e) from None
     except RecursionError:
-        raise QuerySyntaxError("the query nests too deeply") from None
+        raise QuerySyntaxError("the query nests too deeply", query=text) from None
     check_limits(text, tree)
     try:
         q: Query = ToAst(text).transform(tree)
     except RecursionError:  # pragma: no cover - check_limits bounds the depth first
-        raise QuerySyntaxError("the query nests too deeply") from None
+        raise QuerySyntaxError("the query nests too deeply", query=text) from None
     except lark.exceptions.VisitError as e:
         if isinstance(e.orig_exc, QuerySyntaxError):
+            if e.orig_exc.query is None:
+                e.orig_exc.query = text
             raise e.orig_exc from None
         if isinstance(e.orig_exc, RecursionError):  # pragma: no cover - as above
-            raise QuerySyntaxError("the query nests too deeply") from None
-        raise QuerySyntaxError(f"the query cannot be read: {e.orig_exc}") from None
+            raise QuerySyntaxError("the query nests too deeply", query=text) from None
+        raise QuerySyntaxError(f"the query cannot be read: {e.orig_exc}", query=text) from None
     return q
 
 
 def _limit_error(text: str, at: lark.Tree[lark.Token], what: str) -> QuerySyntaxError:
     pos = int(getattr(at.meta, "start_pos", 0) or 0)
+    end = max(pos, int(getattr(at.meta, "end_pos", pos) or pos))
     line, col = _position(text, pos)
-    return QuerySyntaxError(f"line {line}, column {col}: {what}\n{_caret(text, pos)}", line, col)
+    return QuerySyntaxError(f"line {line}, column {col}: {what}\n{_caret(text, pos)}", line, col,
+                            span=Span(pos, end, line, col), query=text)
 
 
 def _items(tree: lark.Tree[lark.Token]) -> list[lark.Tree[lark.Token]]:
@@ -300,31 +307,34 @@ def _accepts(text: str, pos: int, fallback: Iterable[str]) -> set[str]:
 
 
 def _syntax_error(text: str, e: UnexpectedInput) -> QuerySyntaxError:
+    # the span: the unexpected token or character; at the end of the text (empty) when it ends too early
     if isinstance(e, UnexpectedEOF):
-        pos = len(text.rstrip())
+        pos = end = len(text.rstrip())
         what = f"the query ends too early; expected {_expected(_accepts(text, len(text), e.expected))}"
     elif isinstance(e, UnexpectedToken):
         pos = int(e.token.start_pos) if e.token.start_pos is not None else len(text)
         if e.token.type == "$END":
-            pos = len(text.rstrip())
+            pos = end = len(text.rstrip())
             what = f"the query ends too early; expected {_expected(_accepts(text, len(text), e.expected))}"
         else:
+            end = int(e.token.end_pos) if e.token.end_pos is not None else pos + len(str(e.token))
             what = f"unexpected {str(e.token)!r}; expected {_expected(_accepts(text, pos, e.expected))}"
     elif isinstance(e, UnexpectedCharacters):
         pos = int(e.pos_in_stream or 0)
+        end = min(pos + 1, len(text))
         ch = text[pos] if pos < len(text) else ""
         what = f"unexpected character {ch!r}"
         allowed = _accepts(text, pos, e.allowed or ())
         if allowed:
             what += f"; expected {_expected(allowed)}"
     else:  # pragma: no cover - lark has no other kind
-        pos, what = 0, str(e)
+        pos, end, what = 0, 0, str(e)
     line, col = _position(text, pos)
     msg = f"line {line}, column {col}: {what}\n{_caret(text, pos)}"
     hint = _hint(text, e)
     if hint:
         msg += f"\n  hint: {hint}"
-    return QuerySyntaxError(msg, line, col)
+    return QuerySyntaxError(msg, line, col, span=Span(pos, max(pos, end), line, col), query=text)
 
 
 _CLAUSES = {"RETURN", "WHERE", "ORDER", "LIMIT", "RANK", "PER", "EXPANDED", "VIA", "FROM"}

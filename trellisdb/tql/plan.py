@@ -1,8 +1,11 @@
 """Logical plans: frozen, self-validating operator trees, printable.
 
-A plan reads bottom-up: a source (``Scan`` of an entity, or a graph walk),
-then ``Derive`` (reward channels and per-node accessors), ``Filter``,
-``TopPerGroup`` (diversity), ``Sort``, ``Limit`` and ``Project``.
+A plan reads bottom-up: a source (``Scan`` of an entity, a graph walk, or
+RETRIEVE's ``Expand`` over its ``VectorSearch``), then ``Derive`` (reward
+channels and per-node accessors), ``Filter``, ``TopPerGroup`` (diversity),
+``Sort``, ``Limit`` and ``Project``. :data:`Operator` is the closed union of
+the operator classes: code that dispatches on them matches over it and ends in
+``case _: assert_never(p)``, so ``mypy --strict`` names any operator it misses.
 
 >>> from trellisdb.tql.parser import parse
 >>> from trellisdb.tql.resolve import Bound
@@ -16,9 +19,11 @@ Limit 3
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
+from typing import assert_never, cast, get_args
 
-from trellisdb.errors import QueryError
+from trellisdb.errors import PlanError as PlanError  # defined with the other errors; importable from here too
 from trellisdb.tql import ast as A
 from trellisdb.tql.parser import MAX_SORT_KEYS
 from trellisdb.tql.resolve import CLOSED_STATUSES, ENTITY_COLUMNS, LINEAGE_KINDS, MAX_HOPS, Bound
@@ -33,10 +38,6 @@ def tiebreak(entity: str) -> tuple[str, ...]:
     from trellisdb.schema import KEYS
 
     return ("commit_id", *KEYS[entity])
-
-
-class PlanError(QueryError):
-    """A plan that breaks an operator's rule (a bug in the planner, reported clearly)."""
 
 
 @dataclass(frozen=True)
@@ -58,19 +59,34 @@ class Plan:
 
 @dataclass(frozen=True)
 class Scan(Plan):
+    """The rows of ``entity`` as of ``snapshot`` (``scope``: of one session or task).
+
+    ``restrict_to`` names a relation of ids (``__members``, a view refresh's nodes): only
+    those rows are read, and a ``Derive`` over the scan reads only their rewards. The scan
+    is then a materialized CTE, so DuckDB narrows the nodes before it joins their rewards."""
+
     entity: str
     snapshot: int
     scope: A.Scope | None = None
+    restrict_to: str | None = None
 
     def __post_init__(self) -> None:
         if self.entity not in ENTITY_COLUMNS:
             raise PlanError(f"Scan of unknown entity {self.entity!r}")
         if self.snapshot < 0:
             raise PlanError("Scan snapshot must be >= 0")
+        if self.restrict_to is not None and (self.entity != "nodes" or not _RELATION.fullmatch(self.restrict_to)):
+            raise PlanError(f"Scan restricts nodes to an internal relation such as '__members', not "
+                            f"{self.entity} to {self.restrict_to!r}")
 
     def label(self) -> str:
         sc = f" in {self.scope.kind} {show(self.scope.value)}" if self.scope else ""
-        return f"Scan {self.entity}{sc} as of commit {self.snapshot}"
+        only = f" restricted to the ids in {self.restrict_to}" if self.restrict_to else ""
+        return f"Scan {self.entity}{sc} as of commit {self.snapshot}{only}"
+
+
+#: The relations a Scan may be restricted to: internal names (``__members``), never user text.
+_RELATION = re.compile(r"__[a-z_]+")
 
 
 @dataclass(frozen=True)
@@ -121,26 +137,44 @@ class ShortestPath(Plan):
 
 @dataclass(frozen=True)
 class VectorSearch(Plan):
-    """The seeds of a RETRIEVE: run before the SQL (Lance ANN / full-text search); they and
-    what an Expand reaches from them are read by the SQL as the relation ``__found``."""
+    """The seeds of a RETRIEVE: the ``k`` best rows of ``entity`` by vector similarity
+    and / or keywords, as of ``snapshot``. Run before the SQL (the ``prefilter``'s ids in
+    DuckDB, then Lance ANN / full-text search); they and what an :class:`Expand` reaches
+    from them are read by the SQL as the relation ``__found``, so the compiled SQL does
+    not contain this step: :func:`vector_search` finds it in a plan.
 
-    entity: str
-    space: str
-    k: int
-    similar: str | None  # what the vector is: "text '...'" or "$v (vector)"
-    matching: str | None
-    prefilter: A.Expr | None
+    At least one of ``similar_text``, ``vector_param`` (SIMILAR TO) and ``matching`` is
+    set; at most one of the first two."""
+
+    entity: str  # "nodes" | "tasks"
+    space: str  # the embedding space SIMILAR TO searches ("embedding" unless IN names one)
+    k: int  # how many seeds
+    similar_text: str | None  # SIMILAR TO 'text': embed it with the space's embedder
+    vector_param: str | None  # SIMILAR TO $name bound to a vector: its name (the vector is Bound.vector)
+    matching: str | None  # MATCHING 'keywords' (BM25 over the entity's text column)
+    #: WHERE: the ids it allows, as a plan to compile (Project id <- Filter <- [Derive] <- Scan); None: no WHERE
+    prefilter: Plan | None
     snapshot: int
+
+    def __post_init__(self) -> None:
+        if self.k < 1:
+            raise PlanError("VectorSearch k must be >= 1")
+        if self.similar_text is not None and self.vector_param is not None:
+            raise PlanError("VectorSearch searches for a text or a vector, not both")
+        if self.similar_text is None and self.vector_param is None and self.matching is None:
+            raise PlanError("VectorSearch needs SIMILAR TO (a text or a vector) or MATCHING keywords")
 
     def label(self) -> str:
         how = []
-        if self.similar is not None:
-            how.append(f"nearest (cosine) in space {self.space!r} to {self.similar}")
+        if self.similar_text is not None:
+            how.append(f"nearest (cosine) in space {self.space!r} to text {show(A.Literal(self.similar_text))}")
+        elif self.vector_param is not None:
+            how.append(f"nearest (cosine) in space {self.space!r} to ${self.vector_param} (a vector)")
         if self.matching is not None:
-            how.append(f"best keyword (BM25) matches of {self.matching}")
+            how.append(f"best keyword (BM25) matches of {show(A.Literal(self.matching))}")
         fused = " fused by reciprocal rank" if len(how) == 2 else ""
-        pre = f", prefilter {show(self.prefilter)}" if self.prefilter is not None else ""
-        return (f"VectorSearch {self.k} {self.entity}: {' + '.join(how)}{fused}{pre} as of commit {self.snapshot}"
+        pre = ", among the ids the prefilter below allows" if self.prefilter is not None else ""
+        return (f"VectorSearch {self.k} {self.entity}: {' + '.join(how)}{fused} as of commit {self.snapshot}{pre}"
                 "  -- Lance, before the SQL")
 
 
@@ -243,6 +277,48 @@ class Project(Plan):
         return "Project " + ", ".join(f"{show(p.expr)} AS {p.alias}" for p in self.columns)
 
 
+#: Every plan operator: a closed union (see the module docs). A new operator class goes here,
+#: and then mypy points at each dispatch that lacks a case for it.
+Operator = (Scan | Walk | SiblingsOf | ShortestPath | VectorSearch | Expand | Derive | Filter | TopPerGroup | Sort
+            | Limit | Project)
+
+OPERATORS: tuple[type[Plan], ...] = get_args(Operator)
+
+
+def as_operator(p: Plan) -> Operator:
+    """``p`` as a member of :data:`Operator`, for a ``match`` over the operators; a
+    :class:`Plan` subclass outside the union is a :class:`PlanError`."""
+    if not isinstance(p, OPERATORS):
+        raise PlanError(f"{type(p).__name__} is not a plan operator; operators: "
+                        f"{', '.join(o.__name__ for o in OPERATORS)}")
+    return cast(Operator, p)
+
+
+def vector_search(plan: Plan) -> VectorSearch | None:
+    """The vector step of ``plan`` (a RETRIEVE's, under its ``Expand``), or None if it has none.
+
+    >>> from trellisdb.tql.parser import parse
+    >>> from trellisdb.tql.resolve import Bound
+    >>> q = parse("RETRIEVE 3 SIMILAR TO $v WHERE step > 1 LIMIT 2")
+    >>> vs = vector_search(build(Bound(q, q.statement, 7)))
+    >>> vs.k, vs.vector_param, vs.similar_text, vs.matching
+    (3, 'v', None, None)
+    >>> print(vs.prefilter.pretty())
+    Project id AS id
+      Filter (step > 1)
+        Scan nodes as of commit 7
+    >>> vector_search(build(Bound(parse("NODES"), parse("NODES").statement, 7))) is None
+    True
+    """
+    stack = [plan]
+    while stack:
+        p = stack.pop()
+        if isinstance(p, VectorSearch):
+            return p
+        stack.extend(reversed(p.children()))
+    return None
+
+
 def _check_keys(keys: tuple[A.OrderItem, ...]) -> None:
     if len(keys) > MAX_SORT_KEYS:  # the parser refuses such queries; this guards plans built by hand
         raise PlanError(f"a sort takes at most {MAX_SORT_KEYS} keys, got {len(keys)}; sort by fewer")
@@ -278,66 +354,95 @@ def _str(v: A.Value) -> str:
 def build(b: Bound) -> Plan:
     """The logical plan of a resolved statement."""
     s = b.statement
-    snap = b.snapshot
-    node: Plan
-    if isinstance(s, A.Select):
-        node = Scan(s.entity, snap, s.scope)
-        if b.channels or b.accessors:
-            node = Derive(node, b.channels, b.accessors)
-        if s.where is not None:
-            node = Filter(node, s.where)
-        node = Sort(node, s.order, tiebreak(s.entity))  # always: the same query, the same row order
-        if s.limit is not None:
-            node = Limit(node, _int(s.limit))
-        if s.returning:
-            node = Project(node, s.returning)
-        return node
-    if isinstance(s, A.Frontier):
-        node = Derive(Scan("nodes", snap, s.scope), b.channels, b.accessors)
-        expanded = s.expanded if s.expanded is not None else default_expanded()
-        node = Filter(node, A.Not(expanded), "not yet expanded" if s.expanded is None else "EXPANDED WHEN")
-        if s.where is not None:
-            node = Filter(node, s.where)
-        if s.diversity is not None:
-            per = "parent" if s.diversity.per == "parent" else "session_id"
-            node = TopPerGroup(node, per, _int(s.diversity.k), s.rank)
-        node = Sort(node, s.rank)
-        if s.limit is not None:
-            node = Limit(node, _int(s.limit))
-        if s.returning:
-            node = Project(node, s.returning)
-        return node
-    if isinstance(s, A.Retrieve):
-        desc = None
-        if isinstance(s.similar, A.Param):
-            desc = f"${s.similar.name} (a vector)"
-        elif s.similar is not None:
-            desc = f"text {show(s.similar)}"
-        search = VectorSearch(s.entity, s.space or "embedding", _int(s.k), desc,
-                              show(s.matching) if s.matching is not None else None, s.where, snap)
-        items = tuple((e.direction, _int(e.hops)) for e in s.expand)
-        node = Derive(Expand(search, items, s.via, s.entity), b.channels, b.accessors)
-        node = Sort(node, s.rank, ("seed_rank", "hop", "id"))
-        if s.limit is not None:
-            node = Limit(node, _int(s.limit))
-        if s.returning:
-            node = Project(node, s.returning)
-        return node
-    if isinstance(s, A.Lineage):
-        seed = _str(s.node)
-        hops = _int(s.depth) if s.depth is not None else MAX_HOPS
-        direction = "descendants" if s.direction == "subtree" else s.direction
-        node = Walk(seed, direction, s.via, hops, snap)
-    elif isinstance(s, A.Siblings):
-        node = SiblingsOf(_str(s.node), s.via, snap)
-    else:
-        node = ShortestPath(_str(s.src), _str(s.dst), s.via, snap)
-    node = Derive(node, b.channels, b.accessors)
-    where = getattr(s, "where", None)
-    if where is not None:
-        node = Filter(node, where)
-    order = "shared_parent" if isinstance(s, A.Siblings) else "hop"
-    node = Sort(node, (A.OrderItem(A.Column(order), False),))
+    match s:
+        case A.Select():
+            return _select(b, s)
+        case A.Frontier():
+            return _frontier(b, s)
+        case A.Retrieve():
+            return _retrieve(b, s)
+        case A.Lineage():
+            seed = _str(s.node)
+            hops = _int(s.depth) if s.depth is not None else MAX_HOPS
+            direction = "descendants" if s.direction == "subtree" else s.direction
+            return _graph(b, Walk(seed, direction, s.via, hops, b.snapshot), s.where, "hop", s.returning)
+        case A.Siblings():
+            return _graph(b, SiblingsOf(_str(s.node), s.via, b.snapshot), s.where, "shared_parent", s.returning)
+        case A.PathQuery():
+            return _graph(b, ShortestPath(_str(s.src), _str(s.dst), s.via, b.snapshot), None, "hop", s.returning)
+        case _:
+            assert_never(s)
+
+
+def _select(b: Bound, s: A.Select) -> Plan:
+    node: Plan = Scan(s.entity, b.snapshot, s.scope)
+    if b.channels or b.accessors:
+        node = Derive(node, b.channels, b.accessors)
+    if s.where is not None:
+        node = Filter(node, s.where)
+    node = Sort(node, s.order, tiebreak(s.entity))  # always: the same query, the same row order
+    if s.limit is not None:
+        node = Limit(node, _int(s.limit))
     if s.returning:
         node = Project(node, s.returning)
+    return node
+
+
+def _frontier(b: Bound, s: A.Frontier) -> Plan:
+    node: Plan = Derive(Scan("nodes", b.snapshot, s.scope), b.channels, b.accessors)
+    expanded = s.expanded if s.expanded is not None else default_expanded()
+    node = Filter(node, A.Not(expanded), "not yet expanded" if s.expanded is None else "EXPANDED WHEN")
+    if s.where is not None:
+        node = Filter(node, s.where)
+    if s.diversity is not None:
+        per = "parent" if s.diversity.per == "parent" else "session_id"
+        node = TopPerGroup(node, per, _int(s.diversity.k), s.rank)
+    node = Sort(node, s.rank)
+    if s.limit is not None:
+        node = Limit(node, _int(s.limit))
+    if s.returning:
+        node = Project(node, s.returning)
+    return node
+
+
+def _retrieve(b: Bound, s: A.Retrieve) -> Plan:
+    search = VectorSearch(
+        entity=s.entity,
+        space=s.space or "embedding",
+        k=_int(s.k),
+        similar_text=_str(s.similar) if isinstance(s.similar, A.Literal) else None,
+        vector_param=s.similar.name if isinstance(s.similar, A.Param) else None,
+        matching=_str(s.matching) if s.matching is not None else None,
+        prefilter=_prefilter(b, s),
+        snapshot=b.snapshot,
+    )
+    items = tuple((e.direction, _int(e.hops)) for e in s.expand)
+    node: Plan = Derive(Expand(search, items, s.via, s.entity), b.channels, b.accessors)
+    node = Sort(node, s.rank, ("seed_rank", "hop", "id"))
+    if s.limit is not None:
+        node = Limit(node, _int(s.limit))
+    if s.returning:
+        node = Project(node, s.returning)
+    return node
+
+
+def _prefilter(b: Bound, s: A.Retrieve) -> Plan | None:
+    """The ids RETRIEVE's WHERE allows (None: no WHERE). It sees the entity's columns and
+    the statement's reward channels and accessors, not the RETRIEVE columns."""
+    if s.where is None:
+        return None
+    node: Plan = Scan(s.entity, b.snapshot)
+    if b.channels or b.accessors:
+        node = Derive(node, b.channels, b.accessors)
+    return Project(Filter(node, s.where), (A.Proj(A.Column("id"), "id"),))
+
+
+def _graph(b: Bound, source: Plan, where: A.Expr | None, order: str, returning: tuple[A.Proj, ...]) -> Plan:
+    """A graph statement (LINEAGE, SUBTREE, SIBLINGS, PATH) over its ``source`` relation."""
+    node: Plan = Derive(source, b.channels, b.accessors)
+    if where is not None:
+        node = Filter(node, where)
+    node = Sort(node, (A.OrderItem(A.Column(order), False),))
+    if returning:
+        node = Project(node, returning)
     return node

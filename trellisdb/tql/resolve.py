@@ -5,20 +5,24 @@ columns, functions, reward channels, sessions, tasks, tags and parameters are
 :class:`~trellisdb.errors.QueryNameError` with a "did you mean"), every
 ``$param`` replaced by its value, and ``AS OF`` turned into a commit id.
 Values stay values: they become SQL parameters later, never SQL text.
+
+An error about a place in the text carries it as data (``span`` and ``query``,
+see :class:`~trellisdb.errors.QueryError`); so do the type errors of
+``types.py`` raised while resolving.
 """
 
 from __future__ import annotations
 
 import datetime as dt
-import difflib
 import math
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, assert_never
 
-from trellisdb.errors import QueryError, QueryNameError, UnknownCommitError, UnknownTagError
+from trellisdb import asof
+from trellisdb.errors import QueryError, QueryNameError
+from trellisdb.names import did_you_mean, known
 from trellisdb.schema import EDGE_KINDS, table_schema
-from trellisdb.storage.log import last_commit_at
 from trellisdb.tql import ast as A
 from trellisdb.tql.types import arrow_type, check, check_condition
 
@@ -71,19 +75,6 @@ COLUMN_TYPES: dict[str, dict[str, str]] = {
     e: {f.name: arrow_type(f.type) for f in table_schema(e, 1)} | _DERIVED_TYPES | RETRIEVE_COLUMNS
     for e in ENTITY_COLUMNS
 }
-
-
-def did_you_mean(name: str, options: Iterable[str]) -> str:
-    close = difflib.get_close_matches(name, list(options), n=1, cutoff=0.6)
-    return f"; did you mean {close[0]!r}?" if close else ""
-
-
-def known(what: str, options: Iterable[str], limit: int = 12) -> str:
-    opts = sorted(options)
-    if not opts:
-        return f"; there are no {what} yet"
-    more = f", ... ({len(opts)} in all)" if len(opts) > limit else ""
-    return f"; {what}: {', '.join(repr(o) for o in opts[:limit])}{more}"
 
 
 @dataclass
@@ -140,16 +131,16 @@ class Resolver:
             bound = ", ".join(f"${k}" for k in sorted(self.params)) or "none"
             raise QueryNameError(
                 f"parameter ${v.name}{_where(v.span)} has no value; pass {v.name}=... "
-                f"(bound: {bound}){did_you_mean(v.name, self.params)}"
+                f"(bound: {bound}){did_you_mean(v.name, self.params)}", span=A.place(v.span)
             )
         self.used_params.add(v.name)
         x = self.params[v.name]
         if isinstance(x, float) and not math.isfinite(x):
-            raise QueryError(f"parameter ${v.name} is {x!r}; TQL values must be finite")
+            raise QueryError(f"parameter ${v.name} is {x!r}; TQL values must be finite", span=A.place(v.span))
         if x is not None and not isinstance(x, str | int | float | bool | dt.datetime | dt.date):
             raise QueryError(
                 f"parameter ${v.name} is a {type(x).__name__}; TQL parameters are str, int, float, bool, "
-                "datetime or None"
+                "datetime or None", span=A.place(v.span)
             )
         return A.Literal(x, v.span)
 
@@ -157,7 +148,7 @@ class Resolver:
         lit = self.value(v)
         assert lit is not None
         if not isinstance(lit.value, str):
-            raise QueryError(f"{what}{_where(v.span)} must be a string, got {lit.value!r}")
+            raise QueryError(f"{what}{_where(v.span)} must be a string, got {lit.value!r}", span=A.place(v.span))
         return lit.value
 
     def count(self, v: A.Value | None, what: str, *, minimum: int = 0, maximum: int | None = None) -> int | None:
@@ -167,7 +158,8 @@ class Resolver:
         x = lit.value
         if isinstance(x, bool) or not isinstance(x, int) or x < minimum or (maximum is not None and x > maximum):
             bound = f" and at most {maximum}" if maximum is not None else ""
-            raise QueryError(f"{what}{_where(lit.span)} must be a whole number >= {minimum}{bound}, got {x!r}")
+            raise QueryError(f"{what}{_where(lit.span)} must be a whole number >= {minimum}{bound}, got {x!r}",
+                             span=A.place(lit.span))
         return x
 
     # -- names
@@ -175,14 +167,16 @@ class Resolver:
         sid = self.text(v, "a session id")
         if sid not in self.cat.sessions():
             raise QueryNameError(
-                f"unknown session {sid!r}{did_you_mean(sid, self.cat.sessions())}{known('sessions', self.cat.sessions())}"
+                f"unknown session {sid!r}{did_you_mean(sid, self.cat.sessions())}{known('sessions', self.cat.sessions())}",
+                span=A.place(v.span),
             )
         return A.Literal(sid, v.span)
 
     def task(self, v: A.Value) -> A.Literal:
         tid = self.text(v, "a task id")
         if tid not in self.cat.tasks():
-            raise QueryNameError(f"unknown task {tid!r}{did_you_mean(tid, self.cat.tasks())}{known('tasks', self.cat.tasks())}")
+            raise QueryNameError(f"unknown task {tid!r}{did_you_mean(tid, self.cat.tasks())}{known('tasks', self.cat.tasks())}",
+                                 span=A.place(v.span))
         return A.Literal(tid, v.span)
 
     def via(self, kinds: tuple[str, ...]) -> tuple[str, ...]:
@@ -196,42 +190,45 @@ class Resolver:
             return None
         if s.kind == "session":
             if self.entity == "sessions":
-                raise QueryError("SESSIONS FROM SESSION is not a scope; use SESSIONS WHERE id = '...'")
+                raise QueryError("SESSIONS FROM SESSION is not a scope; use SESSIONS WHERE id = '...'",
+                                 span=A.place(s.span))
             return A.Scope("session", self.session(s.value), s.span)
         if self.entity == "tasks":
-            raise QueryError("TASKS FROM TASK is not a scope; use TASKS WHERE id = '...'")
+            raise QueryError("TASKS FROM TASK is not a scope; use TASKS WHERE id = '...'", span=A.place(s.span))
         return A.Scope("task", self.task(s.value), s.span)
 
     # -- expressions
     def expr(self, e: A.Expr, *, ranking: bool = False) -> A.Expr:
         r = self.expr
-        if isinstance(e, A.Literal):
-            return e
-        if isinstance(e, A.Param):
-            lit = self.value(e)
-            assert lit is not None
-            return lit
-        if isinstance(e, A.Column):
-            return self.column(e)
-        if isinstance(e, A.Call):
-            return self.call(e, ranking)
-        if isinstance(e, A.Neg):
-            return A.Neg(r(e.operand, ranking=ranking), e.span)
-        if isinstance(e, A.Binary):
-            return A.Binary(e.op, r(e.left, ranking=ranking), r(e.right, ranking=ranking), e.span)
-        if isinstance(e, A.BoolOp):
-            return A.BoolOp(e.op, tuple(r(o, ranking=ranking) for o in e.operands), e.span)
-        if isinstance(e, A.Not):
-            return A.Not(r(e.operand, ranking=ranking), e.span)
-        if isinstance(e, A.IsNull):
-            return A.IsNull(r(e.operand, ranking=ranking), e.negated, e.span)
-        if isinstance(e, A.InList):
-            return A.InList(r(e.operand, ranking=ranking), tuple(r(i, ranking=ranking) for i in e.items), e.negated,
-                            e.span)
-        if isinstance(e, A.Between):
-            return A.Between(r(e.operand, ranking=ranking), r(e.low, ranking=ranking), r(e.high, ranking=ranking),
-                             e.span)
-        raise QueryError(f"cannot resolve {type(e).__name__}")  # pragma: no cover - the AST has no other kinds
+        match e:
+            case A.Literal():
+                return e
+            case A.Param():
+                lit = self.value(e)
+                assert lit is not None
+                return lit
+            case A.Column():
+                return self.column(e)
+            case A.Call():
+                return self.call(e, ranking)
+            case A.Neg():
+                return A.Neg(r(e.operand, ranking=ranking), e.span)
+            case A.Binary():
+                return A.Binary(e.op, r(e.left, ranking=ranking), r(e.right, ranking=ranking), e.span)
+            case A.BoolOp():
+                return A.BoolOp(e.op, tuple(r(o, ranking=ranking) for o in e.operands), e.span)
+            case A.Not():
+                return A.Not(r(e.operand, ranking=ranking), e.span)
+            case A.IsNull():
+                return A.IsNull(r(e.operand, ranking=ranking), e.negated, e.span)
+            case A.InList():
+                return A.InList(r(e.operand, ranking=ranking), tuple(r(i, ranking=ranking) for i in e.items),
+                                e.negated, e.span)
+            case A.Between():
+                return A.Between(r(e.operand, ranking=ranking), r(e.low, ranking=ranking), r(e.high, ranking=ranking),
+                                 e.span)
+            case _:
+                assert_never(e)
 
     def column(self, c: A.Column) -> A.Column:
         name = c.name.lower()
@@ -246,7 +243,7 @@ class Resolver:
         options = cols + sorted(self.extra_columns) + (list(NODE_ACCESSORS) if self.entity == "nodes" else [])
         raise QueryNameError(
             f"unknown column {c.name!r}{_where(c.span)} for {self.entity}{did_you_mean(name, options)}; "
-            f"columns: {', '.join(options)}"
+            f"columns: {', '.join(options)}", span=A.place(c.span)
         )
 
     def call(self, c: A.Call, ranking: bool) -> A.Expr:
@@ -255,29 +252,33 @@ class Resolver:
             raise QueryNameError(
                 f"unknown function {c.name!r}{_where(c.span)}"
                 f"{did_you_mean(c.name, list(TQL_FUNCTIONS) + list(SQL_FUNCTIONS))}; functions: "
-                f"{', '.join(sorted(TQL_FUNCTIONS) + sorted(SQL_FUNCTIONS))}"
+                f"{', '.join(sorted(TQL_FUNCTIONS) + sorted(SQL_FUNCTIONS))}", span=A.place(c.span)
             )
         lo, hi = arity
         if not lo <= len(c.args) <= hi:
             want = str(lo) if lo == hi else f"{lo} to {hi}"
-            raise QueryError(f"{c.name}() takes {want} argument(s), got {len(c.args)}{_where(c.span)}")
+            raise QueryError(f"{c.name}() takes {want} argument(s), got {len(c.args)}{_where(c.span)}",
+                             span=A.place(c.span))
         if c.name == "reward":
             if self.entity != "nodes":
-                raise QueryError(f"reward() reads a node's rewards; it is not available on {self.entity}")
+                raise QueryError(f"reward() reads a node's rewards; it is not available on {self.entity}",
+                                 span=A.place(c.span))
             arg = c.args[0]
             if not isinstance(arg, A.Literal | A.Param):
-                raise QueryError(f"reward() takes a channel name, e.g. reward('score'){_where(c.span)}")
+                raise QueryError(f"reward() takes a channel name, e.g. reward('score'){_where(c.span)}",
+                                 span=A.place(c.span))
             ch = self.text(arg, "a reward channel")
             if ch not in self.cat.channels():
                 raise QueryNameError(
                     f"unknown reward channel {ch!r}{did_you_mean(ch, self.cat.channels())}"
-                    f"{known('channels', self.cat.channels())}"
+                    f"{known('channels', self.cat.channels())}", span=A.place(arg.span)
                 )
             if ch not in self.channels:
                 self.channels.append(ch)
             return A.Call("reward", (A.Literal(ch, arg.span),), c.span)
         if c.name == "ucb" and not ranking:
-            raise QueryError(f"ucb() ranks the frontier; use it in RANK BY or ORDER BY{_where(c.span)}")
+            raise QueryError(f"ucb() ranks the frontier; use it in RANK BY or ORDER BY{_where(c.span)}",
+                             span=A.place(c.span))
         return A.Call(c.name, tuple(self.expr(a, ranking=False) for a in c.args), c.span)
 
     def order(self, items: tuple[A.OrderItem, ...]) -> tuple[A.OrderItem, ...]:
@@ -302,7 +303,8 @@ class Resolver:
             check(e, COLUMN_TYPES[self.entity].get)
             name = p.alias or _default_name(e)
             if name in seen:
-                raise QueryError(f"two RETURN columns are named {name!r}; give one an alias with AS")
+                raise QueryError(f"two RETURN columns are named {name!r}; give one an alias with AS",
+                                 span=A.place(p.expr.span))
             seen.add(name)
             out.append(A.Proj(e, name))
         return tuple(out)
@@ -315,113 +317,129 @@ class Resolver:
         if a.kind == "commit":
             n = self.count(a.value, "AS OF COMMIT", minimum=0)
             assert n is not None
-            if n != 0 and n not in cat.commits:
-                raise UnknownCommitError(f"commit {n} does not exist (last commit is {cat.last_commit}); see `trellis log`")
-            return n
+            return asof.commit(cat.commits, cat.last_commit, n)
         if a.kind == "tag":
-            name = self.text(a.value, "AS OF TAG")
-            if name not in cat.tags:
-                raise UnknownTagError(f"unknown tag {name!r}{did_you_mean(name, cat.tags)}{known('tags', cat.tags)}")
-            return cat.tags[name]
+            return asof.tag(cat.tags, self.text(a.value, "AS OF TAG"))
         if a.kind == "timestamp":
             lit = self.value(a.value)
             assert lit is not None
             ts: object = lit.value
             if isinstance(ts, str):
-                try:
-                    ts = dt.datetime.fromisoformat(ts)
-                except ValueError:
-                    raise QueryError(f"AS OF TIMESTAMP {ts!r} is not an ISO time such as '2026-12-01T10:00:00'") from None
+                parsed = asof.parse_time(ts)
+                if parsed is None:
+                    raise QueryError(f"AS OF TIMESTAMP {ts!r} is not an ISO time such as '2026-12-01T10:00:00'",
+                                     span=A.place(a.value.span))
+                ts = parsed
             if not isinstance(ts, dt.datetime):
-                raise QueryError(f"AS OF TIMESTAMP needs a time, got {ts!r}")
-            return last_commit_at(cat.commits, ts)
+                raise QueryError(f"AS OF TIMESTAMP needs a time, got {ts!r}", span=A.place(a.value.span))
+            return asof.time(cat.commits, ts)
         step = self.count(a.value, "AS OF STEP", minimum=0)
         assert step is not None and a.session is not None
         sid = self.session(a.session).value
         assert isinstance(sid, str)
         cid = cat.step_commit(sid, step)
         if cid is None:
-            raise QueryError(f"session {sid!r} has no step {step} (no node with step <= {step}); see its nodes")
+            raise QueryError(f"session {sid!r} has no step {step} (no node with step <= {step}); see its nodes",
+                             span=A.place(a.span))
         return cid
 
 
 def _default_name(e: A.Expr) -> str:
-    if isinstance(e, A.Column):
-        return e.name
-    if isinstance(e, A.Call):
-        if e.name == "reward" and isinstance(e.args[0], A.Literal):
-            return str(e.args[0].value)
-        return e.name
-    return "value"
+    match e:
+        case A.Column():
+            return e.name
+        case A.Call():
+            if e.name == "reward" and isinstance(e.args[0], A.Literal):
+                return str(e.args[0].value)
+            return e.name
+        case A.Literal() | A.Param() | A.Neg() | A.Binary() | A.BoolOp() | A.Not() | A.IsNull() | A.InList() \
+                | A.Between():
+            return "value"
+        case _:
+            assert_never(e)
 
 
 def resolve(q: A.Query, catalog: Catalog, params: Mapping[str, Any] | None = None) -> Bound:
-    """Check ``q`` against ``catalog`` and bind ``params``; see the module docs."""
-    r = Resolver(catalog, params or {})
+    """Check ``q`` against ``catalog`` and bind ``params``; see the module docs.
+
+    A :class:`~trellisdb.errors.QueryError` raised on the way gets ``q``'s text as its
+    ``query`` (the raising code sets the ``span``: it has the node, not the text)."""
+    try:
+        return _resolve(q, Resolver(catalog, params or {}))
+    except QueryError as e:
+        if e.query is None:
+            e.query = q.text
+        raise
+
+
+def _resolve(q: A.Query, r: Resolver) -> Bound:
     s = q.statement
     if isinstance(s, A.ViewCommand):
         raise QueryError(f"{s.action.upper()} is a view statement: run it with db.query, it has no plan")
     snapshot = r.as_of(q.as_of)
     stmt: A.Statement
-    if isinstance(s, A.Select):
-        r.entity = s.entity
-        stmt = replace(
-            s,
-            scope=r.scope(s.scope),
-            where=r.condition(s.where, "WHERE"),
-            order=r.order(s.order),
-            limit=_lit(r.count(s.limit, "LIMIT")),
-            returning=r.returning(s.returning),
-        )
-    elif isinstance(s, A.Frontier):
-        if s.expanded is None:
-            r.accessors.add("has_children")  # the default EXPANDED rule: a mark join, not a count
-        stmt = replace(
-            s,
-            scope=r.scope(s.scope),
-            where=r.condition(s.where, "WHERE"),
-            expanded=r.condition(s.expanded, "EXPANDED WHEN"),
-            rank=r.order(s.rank),
-            diversity=A.Diversity(s.diversity.per, A.Literal(r.count(s.diversity.k, "PER ... k", minimum=1)))
-            if s.diversity is not None
-            else None,
-            limit=_lit(r.count(s.limit, "LIMIT")),
-            returning=r.returning(s.returning),
-        )
-        if s.diversity is not None and s.diversity.per == "parent":
-            r.accessors.add("parent")
-    elif isinstance(s, A.Lineage):
-        r.extra_columns = {"hop"}
-        node = A.Literal(r.text(s.node, "a node id"), s.node.span)
-        stmt = replace(
-            s,
-            node=node,
-            depth=_lit(r.count(s.depth, "the number of hops", minimum=0, maximum=MAX_HOPS)),
-            via=r.via(s.via),
-            where=r.condition(s.where, "WHERE"),
-            returning=r.returning(s.returning),
-        )
-    elif isinstance(s, A.Siblings):
-        r.extra_columns = {"shared_parent"}
-        stmt = replace(
-            s,
-            node=A.Literal(r.text(s.node, "a node id"), s.node.span),
-            via=r.via(s.via),
-            where=r.condition(s.where, "WHERE"),
-            returning=r.returning(s.returning),
-        )
-    elif isinstance(s, A.Retrieve):
-        stmt, vector = _retrieve(r, s)
-        return _bound(r, q, stmt, snapshot, vector)
-    else:
-        r.extra_columns = {"hop"}
-        stmt = replace(
-            s,
-            src=A.Literal(r.text(s.src, "a node id"), s.src.span),
-            dst=A.Literal(r.text(s.dst, "a node id"), s.dst.span),
-            via=r.via(s.via),
-            returning=r.returning(s.returning),
-        )
+    match s:
+        case A.Select():
+            r.entity = s.entity
+            stmt = replace(
+                s,
+                scope=r.scope(s.scope),
+                where=r.condition(s.where, "WHERE"),
+                order=r.order(s.order),
+                limit=_lit(r.count(s.limit, "LIMIT")),
+                returning=r.returning(s.returning),
+            )
+        case A.Frontier():
+            if s.expanded is None:
+                r.accessors.add("has_children")  # the default EXPANDED rule: a mark join, not a count
+            stmt = replace(
+                s,
+                scope=r.scope(s.scope),
+                where=r.condition(s.where, "WHERE"),
+                expanded=r.condition(s.expanded, "EXPANDED WHEN"),
+                rank=r.order(s.rank),
+                diversity=A.Diversity(s.diversity.per, A.Literal(r.count(s.diversity.k, "PER ... k", minimum=1)))
+                if s.diversity is not None
+                else None,
+                limit=_lit(r.count(s.limit, "LIMIT")),
+                returning=r.returning(s.returning),
+            )
+            if s.diversity is not None and s.diversity.per == "parent":
+                r.accessors.add("parent")
+        case A.Lineage():
+            r.extra_columns = {"hop"}
+            node = A.Literal(r.text(s.node, "a node id"), s.node.span)
+            stmt = replace(
+                s,
+                node=node,
+                depth=_lit(r.count(s.depth, "the number of hops", minimum=0, maximum=MAX_HOPS)),
+                via=r.via(s.via),
+                where=r.condition(s.where, "WHERE"),
+                returning=r.returning(s.returning),
+            )
+        case A.Siblings():
+            r.extra_columns = {"shared_parent"}
+            stmt = replace(
+                s,
+                node=A.Literal(r.text(s.node, "a node id"), s.node.span),
+                via=r.via(s.via),
+                where=r.condition(s.where, "WHERE"),
+                returning=r.returning(s.returning),
+            )
+        case A.Retrieve():
+            stmt, vector = _retrieve(r, s)
+            return _bound(r, q, stmt, snapshot, vector)
+        case A.PathQuery():
+            r.extra_columns = {"hop"}
+            stmt = replace(
+                s,
+                src=A.Literal(r.text(s.src, "a node id"), s.src.span),
+                dst=A.Literal(r.text(s.dst, "a node id"), s.dst.span),
+                via=r.via(s.via),
+                returning=r.returning(s.returning),
+            )
+        case _:
+            assert_never(s)
     return _bound(r, q, stmt, snapshot, None)
 
 
@@ -458,14 +476,15 @@ def _retrieve(r: Resolver, s: A.Retrieve) -> tuple[A.Retrieve, Any]:
         try:
             vector = np.asarray(raw, dtype=np.float32)
         except (TypeError, ValueError):
-            raise QueryError(f"${s.similar.name} must be a text or a vector of numbers, got {type(raw).__name__}") from None
+            raise QueryError(f"${s.similar.name} must be a text or a vector of numbers, got {type(raw).__name__}",
+                             span=A.place(s.similar.span)) from None
         if vector.ndim != 1 or vector.shape[0] != spaces[space]:
             got = vector.shape[-1] if vector.ndim else 0
             raise EmbeddingDimensionError(
                 f"${s.similar.name} has dimension {got}, but space {space!r} of {s.entity} has dimension {spaces[space]}"
             )
         if not np.isfinite(vector).all():
-            raise QueryError(f"${s.similar.name} contains NaN or infinite values")
+            raise QueryError(f"${s.similar.name} contains NaN or infinite values", span=A.place(s.similar.span))
         similar = s.similar
     elif s.similar is not None:
         similar = A.Literal(r.text(s.similar, "SIMILAR TO (a text, or a $param holding a vector)"), s.similar.span)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import pyarrow as pa
 
@@ -24,47 +24,69 @@ from trellisdb.tql.retrieve import describe_search, expand, vector_step
 if TYPE_CHECKING:
     import networkx as nx
 
-    from trellisdb.database import Database
+    from trellisdb.snapshot import Reads, Snapshot
+    from trellisdb.vectors.service import Vectors
+
+
+class ViewCommands(Protocol):
+    """What the view statements (CREATE VIEW, MATERIALIZE, REFRESH, EXPORT, DROP VIEW, SHOW
+    VIEWS) call: the database handle's view methods."""
+
+    read_only: bool
+
+    def views(self) -> list[dict[str, Any]]: ...
+
+    def create_view(self, name: str, kind: str, *, replace: bool = False, **options: Any) -> dict[str, Any]: ...
+
+    def materialize(self, name: str, as_of: int | str | None = None) -> dict[str, Any]: ...
+
+    def refresh(self, name: str) -> dict[str, Any]: ...
+
+    def export(self, name: str, path: str, format: str = "trl", *, validation: float = 0.0,
+               overwrite: bool = False, skip_missing: bool = False) -> dict[str, Any]: ...
+
+    def export_target(self, path: str) -> str: ...
+
+    def drop_view(self, name: str) -> None: ...
 
 
 class QueryResult(Result):
     """The answer to a TQL query: a table, plus its plan, SQL and graph view."""
 
-    def __init__(self, table: pa.Table, db: Database, bound: Bound, plan: Plan, compiled: Compiled,
-                 search: str | None = None) -> None:
+    def __init__(self, table: pa.Table, snap: Snapshot, vectors: Vectors, bound: Bound, plan: Plan,
+                 compiled: Compiled, search: str | None = None) -> None:
         super().__init__(table, sql=compiled.sql)
         self.params = compiled.params
         self.plan = plan
         self.snapshot = bound.snapshot
         #: RETRIEVE: what the vector / keyword step did (strategy, rounds, rows fetched)
         self.search = search
-        self._db = db
+        self._snap = snap
+        self._vectors = vectors
         self._bound = bound
 
     @classmethod
-    def of_command(cls, table: pa.Table, db: Database) -> QueryResult:
+    def of_command(cls, table: pa.Table, snap: Snapshot) -> QueryResult:
         """The answer to a view statement (CREATE VIEW, MATERIALIZE, ...): a table, no plan."""
         self = cls.__new__(cls)
         Result.__init__(self, table, sql=None)
         self.params, self.plan, self.search = {}, None, None  # type: ignore[assignment]
-        self.snapshot = db._log.refresh().last_committed
-        self._db, self._bound = db, None  # type: ignore[assignment]
+        self.snapshot = snap.latest
+        self._snap, self._vectors, self._bound = snap, None, None  # type: ignore[assignment]
         return self
 
     def explain(self) -> str:
         """The logical plan, the vector step (RETRIEVE), the SQL and DuckDB's physical plan."""
         if self._bound is None:
             raise QueryError("a view statement has no plan to explain")
-        return explain_text(self._db, self._bound, self.plan, Compiled(self.sql or "", self.params), self.search)
+        return explain_text(self._snap, self._vectors, self._bound, self.plan, Compiled(self.sql or "", self.params), self.search)
 
     def edges(self) -> pa.Table:
         """The edges (src, dst, kind) between the result's nodes, as of the query's snapshot."""
         if self._bound is None or "id" not in self.columns or getattr(self._bound.statement, "entity", "nodes") != "nodes":
             raise QueryError("edges() needs a result of nodes with an id column (e.g. RETRIEVE, LINEAGE, FRONTIER)")
         ids = pa.table({"id": self._table.column("id").cast(pa.string())})
-        st = self._db._log.refresh()
-        return self._db._engine.run(
-            st, self.snapshot,
+        return self._snap.sql(
             "SELECT src, dst, kind FROM edges WHERE src IN (SELECT id FROM __ids) AND dst IN (SELECT id FROM __ids) "
             "ORDER BY src, dst, kind", relations={"__ids": ids}, tables=("edges",),
         )
@@ -95,60 +117,59 @@ class QueryResult(Result):
         return f"QueryResult({self._table.num_rows} rows as of commit {self.snapshot}: {', '.join(self.columns)})"
 
 
-def catalog(db: Database) -> Catalog:
-    st = db._log.refresh()
+def catalog(latest: Snapshot) -> Catalog:
+    """The names a query may use, from the latest snapshot."""
     return Catalog(
-        channels=lambda: db._names("rewards", "channel"),
-        sessions=lambda: db._names("sessions", "id"),
-        tasks=lambda: db._names("tasks", "id"),
-        tags=st.tags,
-        commits=st.commits,
-        last_commit=st.last_committed,
-        step_commit=lambda s, k: db._step_commit(s, k),
-        spaces=lambda target: {sp.name: sp.dim for sp in db._spaces.all() if sp.target == target},
+        channels=lambda: latest.names("rewards", "channel"),
+        sessions=lambda: latest.names("sessions", "id"),
+        tasks=lambda: latest.names("tasks", "id"),
+        tags=latest.state.tags,
+        commits=latest.state.commits,
+        last_commit=latest.commit,
+        step_commit=latest.step_commit,
+        spaces=lambda target: {sp.name: sp.dim for sp in latest.spaces() if sp.target == target},
     )
 
 
-def prepare(db: Database, text: str, params: Mapping[str, Any]) -> tuple[Bound, Plan, Compiled]:
+def prepare(latest: Snapshot, text: str, params: Mapping[str, Any]) -> tuple[Bound, Plan, Compiled]:
     q = parse(text)  # within the size limits of tql/parser.py, the later stages stay shallow
-    bound = resolve(q, catalog(db), params)
+    bound = resolve(q, catalog(latest), params)
     plan = build(bound)
     return bound, plan, compile_plan(plan)
 
 
-def explain_text(db: Database, bound: Bound, plan: Plan, compiled: Compiled, search: str | None = None) -> str:
-    st = db._log.refresh()
-    snapshot = bound.snapshot
+def explain_text(snap: Snapshot, vectors: Vectors, bound: Bound, plan: Plan, compiled: Compiled,
+                 search: str | None = None) -> str:
     rel = {"__found": EMPTY_FOUND} if isinstance(bound.statement, A.Retrieve) else None
-    physical = db._engine.run(st, snapshot, "EXPLAIN " + compiled.sql, compiled.params, relations=rel)
+    physical = snap.sql("EXPLAIN " + compiled.sql, compiled.params, relations=rel)
     duck = "\n".join(str(v) for v in physical.column(physical.num_columns - 1).to_pylist()) if physical.num_rows else ""
     params = ", ".join(f"${k} = {v!r}" for k, v in compiled.params.items()) or "none"
     step = ""
     if isinstance(bound.statement, A.Retrieve):
         step = ("-- vector step (Lance), then the EXPAND's walk (in-memory adjacency): the relation __found\n"
-                f"{describe_search(db, bound, search)}\n\n")
+                f"{describe_search(snap, vectors, plan, search)}\n\n")
     return (
         f"-- logical plan\n{plan.pretty()}\n\n{step}-- SQL (DuckDB)\n{compiled.sql}\n-- parameters: {params}\n\n"
         f"-- DuckDB plan\n{duck}"
     )
 
 
-def view_command(db: Database, c: A.ViewCommand, params: Mapping[str, Any]) -> QueryResult:
+def view_command(db: ViewCommands, reads: Reads, c: A.ViewCommand, params: Mapping[str, Any]) -> QueryResult:
     """CREATE VIEW / MATERIALIZE / REFRESH / EXPORT / DROP VIEW / SHOW VIEWS: the database's
-    view methods (``trellisdb/views.py``), answered with a one-row table (SHOW: one per view)."""
+    view methods (``trellisdb/training/``), answered with a one-row table (SHOW: one per view)."""
     assert c.name is not None or c.action == "show"
     name = c.name or ""
     if c.action == "show":
         vs = db.views()
         return QueryResult.of_command(
-            pa.Table.from_pylist(vs) if vs else pa.table({"name": pa.array([], pa.string())}), db)
+            pa.Table.from_pylist(vs) if vs else pa.table({"name": pa.array([], pa.string())}), reads.at())
     if c.action == "create":
         opts = dict(c.options)
         if c.where is not None:
             opts["where"] = c.where
         entry = db.create_view(name, c.kind or "", replace=c.replace, **opts)
     elif c.action == "materialize":
-        commit = Resolver(catalog(db), params).as_of(c.as_of) if c.as_of is not None else None
+        commit = Resolver(catalog(reads.at()), params).as_of(c.as_of) if c.as_of is not None else None
         entry = db.materialize(name, as_of=commit)
     elif c.action == "refresh":
         entry = db.refresh(name)
@@ -162,7 +183,7 @@ def view_command(db: Database, c: A.ViewCommand, params: Mapping[str, Any]) -> Q
         entry = {"name": name, "dropped": True}
     row = {k: v for k, v in entry.items() if k not in ("spec", "file")}
     row.setdefault("name", name)
-    return QueryResult.of_command(pa.Table.from_pylist([row]), db)
+    return QueryResult.of_command(pa.Table.from_pylist([row]), reads.at())
 
 
 _STATEMENTS = {"create": "CREATE VIEW", "materialize": "MATERIALIZE", "refresh": "REFRESH", "export": "EXPORT",
@@ -205,7 +226,8 @@ def _export_path(path: A.Value | None, params: Mapping[str, Any]) -> str:
     return value
 
 
-def run(db: Database, text: str, params: Mapping[str, Any]) -> QueryResult:
+def run(reads: Reads, vectors: Vectors, db: ViewCommands, text: str, params: Mapping[str, Any]) -> QueryResult:
+    """Answer TQL ``text``: a query over a snapshot, or a view statement run by ``db``."""
     q = parse(text)
     if isinstance(q.statement, A.ViewCommand):
         if db.read_only and q.statement.action != "show":
@@ -213,20 +235,21 @@ def run(db: Database, text: str, params: Mapping[str, Any]) -> QueryResult:
                 f"{_STATEMENTS[q.statement.action]} changes the database, and this handle is read-only "
                 "(read_only=True, trellis --read-only); queries and SHOW VIEWS are what it runs"
             )
-        return view_command(db, q.statement, params)
-    bound, plan, compiled = prepare(db, text, params)
-    st = db._log.refresh()
+        return view_command(db, reads, q.statement, params)
+    latest = reads.at()
+    bound, plan, compiled = prepare(latest, text, params)
+    snap = reads.at_commit(bound.snapshot, latest.state)
     if bound.query.explain:
-        out = explain_text(db, bound, plan, compiled)
+        out = explain_text(snap, vectors, bound, plan, compiled)
         table = pa.table({"explain": [out]})
-        return QueryResult(table, db, bound, plan, compiled)
+        return QueryResult(table, snap, vectors, bound, plan, compiled)
     relations = None
     search = None
     if isinstance(bound.statement, A.Retrieve):
-        seeds, search = vector_step(db, bound)
-        relations = {"__found": expand(db, plan, bound.snapshot, seeds)}
+        seeds, search = vector_step(snap, vectors, plan, bound)
+        relations = {"__found": expand(snap, plan, seeds)}
     try:
-        table = db._engine.run(st, bound.snapshot, compiled.sql, compiled.params, relations=relations)
+        table = snap.sql(compiled.sql, compiled.params, relations=relations)
     except QueryError as e:
         if type(e) is not QueryError:
             raise
@@ -236,11 +259,11 @@ def run(db: Database, text: str, params: Mapping[str, Any]) -> QueryResult:
             "`trellis explain` shows the SQL it became"
         ) from e
     if table.num_rows == 0:
-        _check_seeds(db, bound)
-    return QueryResult(table, db, bound, plan, compiled, search)
+        _check_seeds(snap, bound)
+    return QueryResult(table, snap, vectors, bound, plan, compiled, search)
 
 
-def _check_seeds(db: Database, bound: Bound) -> None:
+def _check_seeds(snap: Snapshot, bound: Bound) -> None:
     """An empty graph answer because a named node does not exist is an error, not an empty result."""
     s = bound.statement
     names: list[A.Value] = []
@@ -250,5 +273,5 @@ def _check_seeds(db: Database, bound: Bound) -> None:
         names = [s.src, s.dst]
     for v in names:
         assert isinstance(v, A.Literal)
-        if not db._lookup("SELECT 1 FROM nodes WHERE id = $1 LIMIT 1", [v.value], at=bound.snapshot):
+        if not snap.rows("SELECT 1 FROM nodes WHERE id = $1 LIMIT 1", [v.value]):
             raise UnknownNodeError(f"node {v.value!r} does not exist as of commit {bound.snapshot}")

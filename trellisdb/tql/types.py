@@ -4,7 +4,8 @@ Types are coarse, the ones a user reasons with: ``number``, ``text``,
 ``bool``, ``time``, ``list``, plus ``null`` (a NULL literal or a parameter
 bound to None, compatible with everything). A mismatch raises
 :class:`~trellisdb.errors.QueryTypeError` with the line and column of the
-offending expression instead of a DuckDB binder error on the compiled SQL::
+offending expression (and, as data, its ``span``) instead of a DuckDB binder
+error on the compiled SQL::
 
     >>> from trellisdb.tql.parser import parse
     >>> where = parse("NODES WHERE status > 3").statement.where
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import datetime as dt
 from collections.abc import Callable
+from typing import assert_never
 
 import pyarrow as pa
 
@@ -91,82 +93,87 @@ def _alike(a: str, b: str) -> bool:
 
 
 def _fail(what: str, e: A.Expr, hint: str) -> QueryTypeError:
-    return QueryTypeError(f"{what}{_where(e)}; {hint}")
+    return QueryTypeError(f"{what}{_where(e)}; {hint}", span=A.place(e.span))
 
 
 def typeof(e: A.Expr, columns: ColumnTypes) -> str:
     """The type of resolved expression ``e``; raises on a mismatch inside it."""
-    if isinstance(e, A.Literal):
-        return literal_type(e.value)
-    if isinstance(e, A.Param):  # pragma: no cover - resolved expressions hold literals
-        return "any"
-    if isinstance(e, A.Column):
-        return columns(e.name) or "any"
-    if isinstance(e, A.Neg):
-        _need(e.operand, "number", columns, "a minus sign applies to numbers")
-        return "number"
-    if isinstance(e, A.Not):
-        _need(e.operand, "bool", columns, "NOT applies to a condition")
-        return "bool"
-    if isinstance(e, A.IsNull):
-        typeof(e.operand, columns)
-        return "bool"
-    if isinstance(e, A.BoolOp):
-        for side in e.operands:
-            _need(side, "bool", columns, f"every side of {e.op} must be a condition, e.g. x > 1 {e.op} y = 'a'")
-        return "bool"
-    if isinstance(e, A.Binary):
-        if e.op in ("AND", "OR"):
-            for side in (e.left, e.right):
-                _need(side, "bool", columns, f"both sides of {e.op} must be conditions, e.g. x > 1 {e.op} y = 'a'")
-            return "bool"
-        lt, rt = typeof(e.left, columns), typeof(e.right, columns)
-        if e.op in ("+", "-", "*", "/", "%"):
-            for side, t in ((e.left, lt), (e.right, rt)):
-                if not _alike(t, "number"):
-                    raise _fail(f"{show(side)} is {t}, not a number, in {show(e)}", side,
-                                "arithmetic takes numbers (columns such as step, usd, reward('...'))")
+    match e:
+        case A.Literal():
+            return literal_type(e.value)
+        case A.Param():  # pragma: no cover - resolved expressions hold literals
+            return "any"
+        case A.Column():
+            return columns(e.name) or "any"
+        case A.Neg():
+            _need(e.operand, "number", columns, "a minus sign applies to numbers")
             return "number"
-        if not _alike(lt, rt):
-            raise _fail(f"cannot compare {show(e.left)} ({lt}) with {show(e.right)} ({rt})", e,
-                        f"compare {lt} with {lt}, e.g. {_example(lt)}")
-        _time_text(e.left, lt, rt)
-        _time_text(e.right, rt, lt)
-        return "bool"
-    if isinstance(e, A.InList):
-        t = typeof(e.operand, columns)
-        for item in e.items:
-            it = typeof(item, columns)
-            if not _alike(t, it):
-                raise _fail(f"{show(item)} ({it}) cannot be in a list matched against {show(e.operand)} ({t})",
-                            item, f"the list must hold {t} values")
-            _time_text(item, it, t)
-        return "bool"
-    if isinstance(e, A.Between):
-        t = typeof(e.operand, columns)
-        for bound in (e.low, e.high):
-            bt = typeof(bound, columns)
-            if not _alike(t, bt):
-                raise _fail(f"cannot compare {show(e.operand)} ({t}) with {show(bound)} ({bt})", bound,
-                            f"BETWEEN bounds must be {t}s too")
-            _time_text(bound, bt, t)
-        return "bool"
-    assert isinstance(e, A.Call)
-    types = [typeof(a, columns) for a in e.args]
-    want = _ARGS.get(e.name)
-    if want == "same":
-        known = [t for t in types if t not in (NULL, "any")]
-        for a, t in zip(e.args, types, strict=True):
-            if known and not _alike(t, known[0]):
-                raise _fail(f"{e.name}() mixes {known[0]} and {t} ({show(a)})", a, "give it arguments of one type")
-    elif want is not None:
-        for a, t in zip(e.args, types, strict=True):
-            if not _alike(t, want):
-                raise _fail(f"{e.name}() takes {want} arguments; {show(a)} is {t}", a, f"pass a {want} column or value")
-    result = _RESULT.get(e.name, "any")
-    if result == "arg":
-        return next((t for t in types if t not in (NULL, "any")), "any")
-    return result
+        case A.Not():
+            _need(e.operand, "bool", columns, "NOT applies to a condition")
+            return "bool"
+        case A.IsNull():
+            typeof(e.operand, columns)
+            return "bool"
+        case A.BoolOp():
+            for side in e.operands:
+                _need(side, "bool", columns, f"every side of {e.op} must be a condition, e.g. x > 1 {e.op} y = 'a'")
+            return "bool"
+        case A.Binary():
+            if e.op in ("AND", "OR"):
+                for side in (e.left, e.right):
+                    _need(side, "bool", columns, f"both sides of {e.op} must be conditions, e.g. x > 1 {e.op} y = 'a'")
+                return "bool"
+            lt, rt = typeof(e.left, columns), typeof(e.right, columns)
+            if e.op in ("+", "-", "*", "/", "%"):
+                for side, t in ((e.left, lt), (e.right, rt)):
+                    if not _alike(t, "number"):
+                        raise _fail(f"{show(side)} is {t}, not a number, in {show(e)}", side,
+                                    "arithmetic takes numbers (columns such as step, usd, reward('...'))")
+                return "number"
+            if not _alike(lt, rt):
+                raise _fail(f"cannot compare {show(e.left)} ({lt}) with {show(e.right)} ({rt})", e,
+                            f"compare {lt} with {lt}, e.g. {_example(lt)}")
+            _time_text(e.left, lt, rt)
+            _time_text(e.right, rt, lt)
+            return "bool"
+        case A.InList():
+            t = typeof(e.operand, columns)
+            for item in e.items:
+                it = typeof(item, columns)
+                if not _alike(t, it):
+                    raise _fail(f"{show(item)} ({it}) cannot be in a list matched against {show(e.operand)} ({t})",
+                                item, f"the list must hold {t} values")
+                _time_text(item, it, t)
+            return "bool"
+        case A.Between():
+            t = typeof(e.operand, columns)
+            for bound in (e.low, e.high):
+                bt = typeof(bound, columns)
+                if not _alike(t, bt):
+                    raise _fail(f"cannot compare {show(e.operand)} ({t}) with {show(bound)} ({bt})", bound,
+                                f"BETWEEN bounds must be {t}s too")
+                _time_text(bound, bt, t)
+            return "bool"
+        case A.Call():
+            types = [typeof(a, columns) for a in e.args]
+            want = _ARGS.get(e.name)
+            if want == "same":
+                known = [t for t in types if t not in (NULL, "any")]
+                for a, t in zip(e.args, types, strict=True):
+                    if known and not _alike(t, known[0]):
+                        raise _fail(f"{e.name}() mixes {known[0]} and {t} ({show(a)})", a,
+                                    "give it arguments of one type")
+            elif want is not None:
+                for a, t in zip(e.args, types, strict=True):
+                    if not _alike(t, want):
+                        raise _fail(f"{e.name}() takes {want} arguments; {show(a)} is {t}", a,
+                                    f"pass a {want} column or value")
+            result = _RESULT.get(e.name, "any")
+            if result == "arg":
+                return next((t for t in types if t not in (NULL, "any")), "any")
+            return result
+        case _:
+            assert_never(e)
 
 
 def _need(e: A.Expr, want: str, columns: ColumnTypes, hint: str) -> None:

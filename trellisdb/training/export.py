@@ -11,7 +11,7 @@
       README.md                            a short dataset card
 
 Formats and layouts (``trl`` follows the Hugging Face TRL dataset formats,
-conversational where the kind has messages):
+conversational where the kind has messages; each kind's file in ``kinds/`` lays its rows out):
 
 =============  ===========================================  ==============================================
 view kind      ``trl``                                      ``openai`` (fine-tuning JSONL)
@@ -52,13 +52,20 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from trellisdb import texts
 from trellisdb.errors import ExportError, ValidationError
 from trellisdb.names import utf8_problem
 from trellisdb.paths import check_target, replaceable
+from trellisdb.training import texts
+from trellisdb.training.catalog import ViewCatalog
+from trellisdb.training.kinds import KINDS, ROW_KEYS, SHAPES
+from trellisdb.training.layout import KEEP as _KEEP
+from trellisdb.training.layout import plain as _plain
+from trellisdb.training.layout import plain_schema as _plain_schema
+from trellisdb.training.rows import RowStore
+from trellisdb.training.spec import ViewSpec
 
 if TYPE_CHECKING:
-    from trellisdb.database import Database
+    from trellisdb.snapshot import Reads
 
 FORMATS = ("trl", "openai", "parquet")
 #: Decoded text per chunk (a Parquet row group, one JSONL write; the progress callback is called
@@ -83,32 +90,9 @@ MAX_SHARDS = 99_999  # the five digits of the naming
 #: Shards written at once, at most (each writer holds a decoded chunk of ``CHUNK_BYTES``).
 MAX_WRITERS = 4
 
-#: Per kind: the hash columns whose texts the layouts need (absent texts are errors, or skipped).
-_TEXTS = {
-    "sft": ("prompt_hash", "response_hash"),
-    # a path's first prompt and its last response; a step without a prompt (response) has no user (assistant) turn
-    "sft_path": ("prompt_hash", "response_hash"),
-    "preference": ("prompt_hash", "chosen_hash", "rejected_hash"),
-    "grpo": ("prompt_hash",),
-    "kto": ("prompt_hash", "response_hash"),
-    "stepwise": ("prompt_hash", "response_hashes"),
-    "replay": ("prompt_hash", "response_hash"),
-}
-_LAYOUTS = {
-    ("trl", "sft"): "conversational language modeling: messages",
-    ("trl", "replay"): "conversational language modeling: messages",
-    ("trl", "preference"): "conversational preference: prompt, chosen, rejected",
-    ("trl", "kto"): "unpaired preference: prompt, completion, label",
-    ("trl", "stepwise"): "stepwise supervision: prompt, completions, labels",
-    ("trl", "grpo"): "conversational prompt-only: prompt",
-    ("openai", "sft"): "OpenAI supervised fine-tuning: messages",
-    ("openai", "replay"): "OpenAI supervised fine-tuning: messages",
-    ("openai", "preference"): "OpenAI preference fine-tuning: input, preferred_output, non_preferred_output",
-}
-
-
 def export(
-    db: Database,
+    stored: RowStore,
+    reads: Reads,
     name: str,
     path: str | os.PathLike[str],
     format: str = "trl",
@@ -118,20 +102,20 @@ def export(
     skip_missing: bool = False,
     progress: Callable[[int, int], None] | None = None,
 ) -> dict[str, Any]:
-    """Write materialized view ``name`` to folder ``path``; returns the manifest."""
-    from trellisdb import views
-
+    """Write materialized view ``name`` of the database whose views ``stored`` holds to folder
+    ``path``; returns the manifest (``reads``: the database's snapshots, for texts resolved now)."""
     if format not in FORMATS:
         raise ValidationError(f"unknown export format {format!r}; formats are {', '.join(FORMATS)}")
     if isinstance(validation, bool) or not (isinstance(validation, int | float) and 0.0 <= validation < 1.0):
         raise ValidationError(f"validation must be a fraction in [0, 1), not {validation!r}")
-    cat = views.ViewCatalog(db.path).load()
+    root = stored.root
+    cat = ViewCatalog(root).load()
     spec = cat.spec(name)
     entry = cat.entries[name]
     if entry.get("version") is None:
         raise ValidationError(f"view {name!r} is not materialized yet; run db.materialize({name!r}) first")
     kind, shape = spec.kind, spec.shape
-    if format != "parquet" and (format, kind) not in _LAYOUTS:
+    if format != "parquet" and format not in KINDS[kind].layouts:
         raise ValidationError(f"format {format!r} has no layout for {kind} views; use 'trl' or 'parquet'")
     try:
         out = os.path.abspath(os.fspath(path))
@@ -141,17 +125,17 @@ def export(
         raise ExportError(f"export path {path!r} contains a NUL character or is not valid UTF-8")
     if not isinstance(overwrite, bool) or not isinstance(skip_missing, bool):
         raise ValidationError(f"overwrite and skip_missing are True or False, not {overwrite!r}, {skip_missing!r}")
-    check_target(db.path, out)
+    check_target(root, out)
     if os.path.lexists(out):
         if not overwrite:
             raise ExportError(f"{out} exists; pass overwrite=True (or --overwrite) to replace it")
         replaceable(out)
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="trellis-export") as pool:
         # the view's texts load beside its rows
-        stored = pool.submit(texts.read, db, entry) if entry.get("texts_version") is not None else None
-        rows = views.read_rows(db, entry, codes=True)
-        values = None if stored is None else stored.result()
-    rows, skipped = _with_texts(db, entry, rows, shape, spec, skip_missing, values)
+        reading = pool.submit(stored.texts.read, entry) if entry.get("texts_version") is not None else None
+        rows = stored.read(entry, codes=True)
+        values = None if reading is None else reading.result()
+    rows, skipped = _with_texts(stored.texts, reads, entry, rows, shape, spec, skip_missing, values)
     side = _split(rows, validation) if validation else None  # no split asked: every row is train
     parent = os.path.dirname(os.path.abspath(out)) or "."
     os.makedirs(parent, exist_ok=True)
@@ -164,9 +148,9 @@ def export(
             "kind": kind,
             "definition": entry["definition"],
             "commit": entry["commit"],
-            "database": os.path.abspath(db.path),
+            "database": os.path.abspath(root),
             "format": format,
-            "layout": _LAYOUTS.get((format, kind), "the view's rows with resolved texts"),
+            "layout": KINDS[kind].layouts.get(format, "the view's rows with resolved texts"),
             "created_at": dt.datetime.now(dt.UTC).isoformat(),
             "rows": sum(counts.values()),
             "counts": counts,
@@ -195,7 +179,7 @@ def export(
 
 
 def _write(
-    tmp: str, format: str, kind: str, rows: pa.Table, side: pa.Array | None, validation: float,
+    tmp: str, format: str, shape: str, rows: pa.Table, side: pa.Array | None, validation: float,
     progress: Callable[[int, int], None] | None,
 ) -> tuple[dict[str, list[str]], dict[str, int]]:
     """The split files and ``provenance.parquet`` in folder ``tmp``; returns each split's files
@@ -222,14 +206,14 @@ def _write(
     if format == "parquet":
         _write_parquet(tmp, parts, files, provenance, rows.num_rows, progress)
     else:
-        _write_jsonl(tmp, format, kind, parts, files, provenance, rows.num_rows, progress)
+        _write_jsonl(tmp, format, shape, parts, files, provenance, rows.num_rows, progress)
     if progress and not rows.num_rows:
         progress(0, 0)
     return files, counts
 
 
 def _write_jsonl(
-    tmp: str, format: str, kind: str, parts: list[tuple[str, pa.Table]], files: dict[str, list[str]],
+    tmp: str, format: str, shape: str, parts: list[tuple[str, pa.Table]], files: dict[str, list[str]],
     provenance: Callable[[], None], total: int, progress: Callable[[int, int], None] | None,
 ) -> None:
     """One JSONL file per split: one writer thread writes while this one lays out the next
@@ -258,7 +242,7 @@ def _write_jsonl(
                 step = _chunk_rows(part)
                 for lo in range(0, part.num_rows, step):
                     chunk = _plain(part.slice(lo, step), keep=True)  # while the writer writes the one before
-                    queue.append((pool.submit(_layout(format, kind, chunk).write_ndjson, fh), chunk.num_rows))
+                    queue.append((pool.submit(_layout(format, shape, chunk).write_ndjson, fh), chunk.num_rows))
                     settle(1)
             provenance()
             settle(0)
@@ -319,22 +303,6 @@ def _write_parquet(
 
 #: The text columns ``_with_texts`` adds (named after their hash columns).
 _TEXT_NAMES = frozenset({"system", "prompt", "response", "chosen", "rejected", "prompts", "responses"})
-
-
-def _plain_schema(schema: pa.Schema, keep: bool = False) -> pa.Schema:
-    """``schema`` with dictionary text columns as plain strings (``keep``: those ``_dictionaries``
-    chose to write as dictionaries stay)."""
-    return pa.schema([f.with_type(f.type.value_type)
-                      if pa.types.is_dictionary(f.type) and not (keep and f.metadata and _KEEP in f.metadata) else f
-                      for f in schema])
-
-
-def _plain(t: pa.Table, keep: bool = False) -> pa.Table:
-    """``t`` with its dictionary-encoded text columns decoded (one chunk's texts copied)."""
-    return t.cast(_plain_schema(t.schema, keep))
-
-
-_KEEP = b"trellis.dictionary"
 
 
 def _dictionaries(t: pa.Table) -> pa.Table:
@@ -414,15 +382,16 @@ def _parquet(t: pa.Table, target: str) -> None:
 
 
 def _with_texts(
-    db: Database, entry: dict[str, Any], rows: pa.Table, kind: str, spec: Any, skip: bool, stored: pa.Array | None
+    store: texts.TextStore, reads: Reads, entry: dict[str, Any], rows: pa.Table, shape: str, spec: ViewSpec,
+    skip: bool, stored: pa.Array | None,
 ) -> tuple[pa.Table, int]:
     """``rows`` (with their text codes) with a text column per hash column instead (``system``,
     ``prompt``, ``response`` ...): dictionaries over the view's ``stored`` texts (``texts.py``),
     no copy. Rows missing a text the layout needs raise, or are dropped (and counted) with ``skip``."""
     legacy = None
     if stored is None:  # a view that does not keep its texts (or stored before views did): resolved now
-        rows, legacy = texts.encode(db, rows, int(entry["commit"]))
-    need = _TEXTS[kind]
+        rows, legacy = texts.encode(store, rows, reads.at_commit(int(entry["commit"])))
+    need = KINDS[spec.kind].export_texts
     missing = np.zeros(rows.num_rows, bool)
     for col in need:
         c = rows[texts.CODE_PREFIX + col].combine_chunks()
@@ -433,7 +402,7 @@ def _with_texts(
     mask = pa.array(missing)
     n_missing = int(missing.sum())
     if n_missing and not skip:
-        key = "node_id" if "node_id" in rows.column_names else ("chosen_id" if kind == "preference" else "group_key")
+        key = "node_id" if "node_id" in rows.column_names else ROW_KEYS[shape][0]
         ids = rows[key].filter(mask).to_pylist()
         names = {"prompt_hash": spec.prompt, "response_hash": spec.response, "chosen_hash": spec.response,
                  "rejected_hash": spec.response, "response_hashes": spec.response, "prompt_hashes": spec.prompt}
@@ -449,7 +418,7 @@ def _with_texts(
     flat = [c.flatten() if pa.types.is_list(c.type) else c for c in arrays]
     used = pa.concat_arrays(flat) if flat else pa.array([], pa.int32())
     if legacy is None:
-        values = texts.texts_of(db, entry, used, stored)
+        values = store.texts_of(entry, used, stored)
     else:
         values = texts.utf8(legacy["text"].combine_chunks(), legacy["hash"].combine_chunks, used)
     rows = rows.drop_columns(codes)
@@ -477,64 +446,9 @@ def _unit(task: str | None) -> float:
     return int.from_bytes(h[:8], "big") / 2**64
 
 
-def _msg(role: str, col: str) -> pl.Expr:
-    return pl.struct(role=pl.lit(role), content=pl.col(col))
-
-
-def _prompt_msgs() -> pl.Expr:
-    sys = pl.when(pl.col("system").is_not_null()).then(_msg("system", "system"))
-    return pl.concat_list([sys, _msg("user", "prompt")]).list.drop_nulls()
-
-
-def _layout(format: str, kind: str, t: pa.Table) -> pl.DataFrame:
-    df = pl.from_arrow(t)
-    assert isinstance(df, pl.DataFrame)
-    if "system" not in df.columns:
-        df = df.with_columns(pl.lit(None, pl.String).alias("system"))
-    if kind == "sft_path":  # laid out in Arrow, over decoded texts
-        return pl.DataFrame(pl.from_arrow(pa.table({"messages": _turns(_plain(t))})))
-    if kind in ("sft", "replay"):
-        msgs = pl.concat_list([_prompt_msgs(), pl.concat_list([_msg("assistant", "response")])])
-        return df.select(msgs.alias("messages"))
-    if kind == "preference" and format == "trl":
-        return df.select(_prompt_msgs().alias("prompt"), pl.concat_list([_msg("assistant", "chosen")]).alias("chosen"),
-                         pl.concat_list([_msg("assistant", "rejected")]).alias("rejected"))
-    if kind == "preference":  # openai
-        return df.select(pl.struct(messages=_prompt_msgs()).alias("input"),
-                         pl.concat_list([_msg("assistant", "chosen")]).alias("preferred_output"),
-                         pl.concat_list([_msg("assistant", "rejected")]).alias("non_preferred_output"))
-    if kind == "kto":
-        return df.select(pl.col("prompt"), pl.col("response").alias("completion"), pl.col("label"))
-    if kind == "stepwise":
-        return df.select(pl.col("prompt"), pl.col("responses").alias("completions"), pl.col("labels"))
-    return df.select(_prompt_msgs().alias("prompt"))  # grpo: prompt-only
-
-
-def _turns(t: pa.Table) -> pa.Array:
-    """Per row of an sft path: [system?] then, per step root first, a user turn (the step's
-    prompt, when it has one) and an assistant turn (its response, when it has one). Built from the flattened
-    lists in numpy: a stable sort of (row, position) keys, no Python loop over rows."""
-    responses = t["responses"].combine_chunks()
-    prompts = t["prompts"].combine_chunks()
-    system = t["system"].combine_chunks()
-    n = t.num_rows
-    step_row = pc.list_parent_indices(responses).to_numpy()
-    starts = np.concatenate([[0], np.cumsum(pc.fill_null(pc.list_value_length(responses), 0).to_numpy())])[:-1]
-    step = np.arange(len(step_row)) - starts[step_row]
-    flat_p, flat_r = prompts.flatten(), responses.flatten()
-    has_p = pc.is_valid(flat_p).to_numpy(zero_copy_only=False)
-    has_r = pc.is_valid(flat_r).to_numpy(zero_copy_only=False)
-    has_s = pc.is_valid(system).to_numpy(zero_copy_only=False)
-    rows_key = np.concatenate([np.arange(n)[has_s], step_row[has_p], step_row[has_r]])
-    order_key = np.concatenate([np.full(int(has_s.sum()), -1), 2 * step[has_p], 2 * step[has_r] + 1])
-    content = pa.concat_arrays([system.filter(pa.array(has_s)), flat_p.filter(pa.array(has_p)),
-                                flat_r.filter(pa.array(has_r))])
-    role = np.concatenate([np.full(int(has_s.sum()), 0), np.full(int(has_p.sum()), 1), np.full(int(has_r.sum()), 2)])
-    perm = np.lexsort((order_key, rows_key))
-    roles = pa.array(["system", "user", "assistant"]).take(pa.array(role[perm]))
-    msgs = pa.StructArray.from_arrays([roles, content.take(pa.array(perm))], names=["role", "content"])
-    offsets = np.concatenate([[0], np.cumsum(np.bincount(rows_key, minlength=n))]).astype(np.int32)
-    return pa.ListArray.from_arrays(pa.array(offsets), msgs)
+def _layout(format: str, shape: str, t: pa.Table) -> pl.DataFrame:
+    """A chunk of rows of ``shape`` with their texts in ``format``'s layout (the kind's)."""
+    return SHAPES[shape].layout(format, shape, t)
 
 
 def _card(m: dict[str, Any]) -> str:

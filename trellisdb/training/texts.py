@@ -11,7 +11,8 @@ rows and the texts and hands them to the writers as dictionaries, with no join a
 (``extend``): the artifacts written since the view's commit in one filtered scan, older ones
 where the last full scan in this process found them (``Addresses``), else by hash; it matches
 them against the table's keys (``Known``), which materialize and refresh leave in memory for
-the next refresh in the process.
+the next refresh in the process. ``TextStore`` owns the text tables of one open database's
+views and those two caches; the functions here read the artifacts through a ``Snapshot``.
 
 The table only grows between materializations: the texts of rows a refresh replaced stay,
 unreferenced, until the view is next materialized in full. Texts are checked to be UTF-8 only
@@ -24,15 +25,15 @@ when exported (a view may name binary artifacts; exporting such a row is the err
 ...     s.add_reward(n, "score", 1.0)
 >>> _ = db.create_view("good", "sft", reward="reward('score')")
 >>> _ = db.materialize("good")
->>> from trellisdb.views import ViewCatalog
->>> texts_of(db, ViewCatalog(db.path).load().entries["good"]).to_pylist()
+>>> from trellisdb.training.catalog import ViewCatalog
+>>> store = TextStore(db.path)
+>>> store.texts_of(ViewCatalog(db.path).load().entries["good"]).to_pylist()
 ['pack 26 circles', 'r = 0.1']
 """
 
 from __future__ import annotations
 
 import os
-import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final
@@ -44,9 +45,11 @@ import pyarrow.compute as pc
 
 from trellisdb.errors import ExportError, TrellisError
 from trellisdb.reader import gathered
+from trellisdb.storage.tables import take
+from trellisdb.training.files import texts_file
 
 if TYPE_CHECKING:
-    from trellisdb.database import Database
+    from trellisdb.snapshot import Snapshot
 
 #: The code column of hash column ``c`` is ``CODE_PREFIX + c``.
 CODE_PREFIX: Final = "__text_"
@@ -74,17 +77,14 @@ ADDRESS_ROWS: Final = 8_000_000
 @dataclass
 class Addresses:
     """Where the artifacts visible at ``upto`` are in Lance, as a full resolve found them: the
-    64-bit key of each hash (``resolve``'s) and its row address. Kept per open database, in
-    memory, so that a refresh finds an older artifact by address rather than by a scan of every
-    hash (at 2M artifacts: ~0.02 s vs 0.2 s). A hint only: rows a compaction has moved since are
+    64-bit key of each hash (``resolve``'s) and its row address. Kept per open database (its
+    ``TextStore``), in memory, so that a refresh finds an older artifact by address rather than
+    by a scan of every hash (at 2M artifacts: ~0.02 s vs 0.2 s). A hint only: rows a compaction has moved since are
     not used, and every row taken is checked against the hash asked for."""
 
     upto: int
     keys: pl.Series
     addrs: np.ndarray
-
-
-_ADDRESSES: weakref.WeakKeyDictionary[Database, Addresses] = weakref.WeakKeyDictionary()
 
 
 def hash_columns(names: Iterable[str]) -> list[str]:
@@ -94,12 +94,6 @@ def hash_columns(names: Iterable[str]) -> list[str]:
 
 def code_columns(names: Iterable[str]) -> list[str]:
     return [c for c in names if c.startswith(CODE_PREFIX)]
-
-
-def path(db: Database, name: str) -> str:
-    from trellisdb.views import VIEWS_DIR
-
-    return os.path.join(db.path, VIEWS_DIR, f"{name}.texts.lance")
 
 
 # ------------------------------------------------------------------ building
@@ -136,11 +130,11 @@ def in_lists(col: pa.ListArray, values: pa.Array) -> pa.ListArray:
     return pa.ListArray.from_arrays(offsets, values, mask=col.is_null())
 
 
-def encode(db: Database, rows: pa.Table, commit: int) -> tuple[pa.Table, pa.Table]:
+def encode(store: TextStore, rows: pa.Table, snap: Snapshot) -> tuple[pa.Table, pa.Table]:
     """``rows`` with their code columns, and the texts they name (``hash``, ``text``) in code
-    order, as of ``commit``."""
+    order, as of the snapshot."""
     names, sizes, probe = _probe(rows)
-    at, values = resolve(db, commit, probe)
+    at, values = resolve(store, snap, probe)
     pos = pc.fill_null(at, -1).to_numpy(zero_copy_only=False).astype(np.int64)
     # only the texts in use (a hash stored twice comes back twice; one is used), in scan order
     seen = np.zeros(len(values), bool)
@@ -176,10 +170,6 @@ class Known:
 
 #: Text tables of up to this many texts have their ``Known`` kept (16 bytes a text: 128 MB at most).
 KNOWN_TEXTS: Final = 8_000_000
-#: Per open database, per view: its text table's ``Known``, tagged with the catalog entry it
-#: belongs to. Materialize and refresh leave it here, so a refresh in the same process does not
-#: read and hash the whole text table again (785k texts: 0.07-0.16 s, beside the refresh's SQL).
-_KNOWN: weakref.WeakKeyDictionary[Database, dict[str, tuple[tuple[Any, ...], Known]]] = weakref.WeakKeyDictionary()
 
 
 def _tag(entry: Mapping[str, Any]) -> tuple[Any, ...]:
@@ -188,47 +178,98 @@ def _tag(entry: Mapping[str, Any]) -> tuple[Any, ...]:
     return entry.get("texts_version"), entry.get("texts"), entry.get("computed_at")
 
 
-def remember(db: Database, name: str, entry: Mapping[str, Any] | None, have: Known | None) -> None:
-    """Keep ``have`` as the ``Known`` of view ``name`` as ``entry`` stores it (None: forget it)."""
-    kept = _KNOWN.setdefault(db, {})
-    if entry is None or have is None or entry.get("texts_version") is None or len(have.keys) > KNOWN_TEXTS:
-        kept.pop(name, None)
-    else:
-        kept[name] = (_tag(entry), have)
+class TextStore:
+    """The texts kept beside the views of the database in folder ``root``
+    (``views/<name>.texts.lance``), and what this process keeps in memory about them: per view,
+    its text table's ``Known`` (``known``), and where the artifacts are (``addresses``)."""
+
+    def __init__(self, root: str) -> None:
+        self.root = root
+        #: Per view: its text table's ``Known``, tagged with the catalog entry it belongs to.
+        #: Materialize and refresh leave it here, so a refresh in the same process does not read
+        #: and hash the whole text table again (785k texts: 0.07-0.16 s, beside the refresh's SQL).
+        self.known: dict[str, tuple[tuple[Any, ...], Known]] = {}
+        #: Where the last full resolve (extended by refreshes) found the artifacts (``Addresses``).
+        self.addresses: Addresses | None = None
+
+    def path(self, name: str) -> str:
+        """The text table of view ``name``."""
+        return os.path.join(self.root, texts_file(name))
+
+    def remember(self, name: str, entry: Mapping[str, Any] | None, have: Known | None) -> None:
+        """Keep ``have`` as the ``Known`` of view ``name`` as ``entry`` stores it (None: forget it)."""
+        if entry is None or have is None or entry.get("texts_version") is None or len(have.keys) > KNOWN_TEXTS:
+            self.known.pop(name, None)
+        else:
+            self.known[name] = (_tag(entry), have)
+
+    def cached(self, entry: Mapping[str, Any]) -> Known | None:
+        """The ``Known`` kept for the text table ``entry`` names, if any."""
+        kept = self.known.get(entry["spec"]["name"])
+        return kept[1] if kept is not None and kept[0] == _tag(entry) else None
+
+    def known_of(self, entry: Mapping[str, Any]) -> Known:
+        """The ``Known`` of a view's text table: kept from this process's last materialize or
+        refresh of it, or read and hashed now (and kept)."""
+        have = self.cached(entry)
+        if have is None:
+            have = Known.of(self.hashes(entry))
+            self.remember(entry["spec"]["name"], entry, have)
+        else:
+            self.open(entry)  # still there (the refresh appends to it): a clear error now if not
+        return have
+
+    def hashes(self, entry: Mapping[str, Any]) -> pa.Array:
+        """A view's text table's hashes, in code order."""
+        return self.open(entry).to_table(columns=["hash"])["hash"].combine_chunks()
+
+    def open(self, entry: Mapping[str, Any]) -> Any:
+        """The Lance dataset of the text table ``entry`` names, at its version."""
+        import lance
+
+        uri = self.path(entry["spec"]["name"])
+        try:
+            return lance.dataset(uri, version=entry["texts_version"])
+        except (OSError, ValueError, RuntimeError) as e:
+            raise TrellisError(f"the texts of view {entry['spec']['name']!r} ({uri}) are unreadable ({e}); "
+                               "run db.materialize(name) to recompute them") from e
+
+    def read(self, entry: Mapping[str, Any]) -> pa.Array:
+        """A view's texts in code order, as stored (bytes)."""
+        t = self.open(entry).to_table(columns=["text"], batch_size=READ_BATCH_ROWS, batch_readahead=READ_AHEAD)
+        return t["text"].combine_chunks()
+
+    def texts_of(self, entry: Mapping[str, Any], used: pa.Array | None = None,
+                 stored: pa.Array | None = None) -> pa.Array:
+        """A view's texts in code order (``stored``: as ``read`` gave them), as strings. Texts
+        that are not UTF-8 raise an ``ExportError`` naming their artifacts if ``used`` (codes)
+        names them (or it is None), and are null otherwise."""
+        return utf8(self.read(entry) if stored is None else stored, lambda: self.hashes(entry), used)
+
+    def note_addresses(self, upto: int, since: int | None, keys: list[pl.Series], addrs: list[np.ndarray]) -> None:
+        """Record where a scan found the artifacts visible at ``upto``: all of them (``since`` None),
+        or those written after ``since``, added to addresses that reach ``since``."""
+        k = pl.concat(keys) if keys else pl.Series("hash", [], pl.UInt64)
+        a = np.concatenate(addrs) if addrs else np.empty(0, np.uint64)
+        old = self.addresses
+        if since is not None:
+            if old is None or old.upto < since or old.upto >= upto:
+                return  # a gap between them, or nothing new
+            k, a = pl.concat([old.keys, k]), np.concatenate([old.addrs, a])
+        elif old is not None and old.upto > upto:
+            return  # an older snapshot's: keep the newer
+        if len(k) <= ADDRESS_ROWS:
+            self.addresses = Addresses(upto, k, a)
 
 
-def cached(db: Database, entry: Mapping[str, Any]) -> Known | None:
-    """The ``Known`` kept for the text table ``entry`` names, if any."""
-    kept = _KNOWN.get(db, {}).get(entry["spec"]["name"])
-    return kept[1] if kept is not None and kept[0] == _tag(entry) else None
-
-
-def known(db: Database, entry: Mapping[str, Any]) -> Known:
-    """The ``Known`` of a view's text table: kept from this process's last materialize or
-    refresh of it, or read and hashed now (and kept)."""
-    have = cached(db, entry)
-    if have is None:
-        have = Known.of(_hashes(db, entry))
-        remember(db, entry["spec"]["name"], entry, have)
-    else:
-        _open(db, entry)  # still there (the refresh appends to it): a clear error now if not
-    return have
-
-
-def _hashes(db: Database, entry: Mapping[str, Any]) -> pa.Array:
-    """A view's text table's hashes, in code order."""
-    return _open(db, entry).to_table(columns=["hash"])["hash"].combine_chunks()
-
-
-def written_since(db: Database, since: int, upto: int, limit: int = 64 << 20) -> list[pa.Table] | None:
-    """The artifacts written in commits ``(since, upto]`` (``hash``, ``content``, ``_rowaddr``),
+def written_since(snap: Snapshot, since: int, limit: int = 64 << 20) -> list[pa.Table] | None:
+    """The artifacts written in commits ``(since, snapshot]`` (``hash``, ``content``, ``_rowaddr``),
     read ahead of a refresh's lookups; None if they hold more than ``limit`` bytes (the lookup
     then scans for just the wanted ones)."""
-    state = db._log.refresh()
     out: list[pa.Table] = []
     size = 0
-    for w in _windows(db._engine.scan(state, upto, "artifacts", ("hash", "content"), batch_rows=TEXT_SCAN_ROWS,
-                                      where=f"commit_id > {int(since)}", with_row_address=True)):
+    for w in _windows(snap.scan("artifacts", ("hash", "content"), batch_rows=TEXT_SCAN_ROWS,
+                                where=f"commit_id > {int(since)}", with_row_address=True)):
         out.append(w)
         size += w.nbytes
         if size > limit:
@@ -237,7 +278,7 @@ def written_since(db: Database, since: int, upto: int, limit: int = 64 << 20) ->
 
 
 def extend(
-    db: Database, fresh: pa.Table, have: Known, since: int, upto: int, ahead: list[pa.Table] | None = None
+    store: TextStore, fresh: pa.Table, have: Known, since: int, snap: Snapshot, ahead: list[pa.Table] | None = None
 ) -> tuple[pa.Table, pa.Table]:
     """``fresh`` rows (a refresh's) with their code columns against a view's text table
     (``have``), and the texts to append to it (``hash``, ``text``, codes from its length on).
@@ -256,18 +297,18 @@ def extend(
     if len(lacking):
         ask = lacking.to_arrow().cast(pa.string())
         # the artifacts written since: one scan of the rows of those commits (extending the addresses)
-        at, values = resolve(db, upto, lacking, where=f"commit_id > {int(since)}", since=since, scanned=ahead)
+        at, values = resolve(store, snap, lacking, where=f"commit_id > {int(since)}", since=since, scanned=ahead)
         got = pc.is_valid(at)
         found = [pa.table({"hash": ask.filter(got), "text": values.take(at.filter(got))})]
         rest = ask.filter(pc.invert(got))
         if len(rest):  # older artifacts no row named before (a node that joined a pair or group)
-            found.append(_by_address(db, upto, rest))
+            found.append(_by_address(store, snap, rest))
             rest = rest.filter(pc.invert(pc.is_in(rest, value_set=found[-1]["hash"].combine_chunks())))
         if len(rest):  # not where the addresses say (none kept, or moved by a compaction): by hash
             # a few by a Lance filter; many in a full scan, which records the addresses anew
             listed = ", ".join("'" + h.replace("'", "''") + "'" for h in rest.to_pylist()) \
                 if len(rest) <= LISTED_HASHES else None
-            at, values = resolve(db, upto, pl.Series("hash", rest), where=listed and f"hash IN ({listed})")
+            at, values = resolve(store, snap, pl.Series("hash", rest), where=listed and f"hash IN ({listed})")
             got = pc.is_valid(at)
             found.append(pa.table({"hash": rest.filter(got), "text": values.take(at.filter(got))}))
         wide = pa.schema([("hash", pa.string()), ("text", pa.large_binary())])
@@ -281,25 +322,26 @@ def extend(
     return _attach(fresh, names, sizes, codes), new.cast(pa.schema([("hash", pa.string()), ("text", text_type)]))
 
 
-def _by_address(db: Database, upto: int, hashes: pa.Array) -> pa.Table:
+def _by_address(store: TextStore, snap: Snapshot, hashes: pa.Array) -> pa.Table:
     """The artifacts of ``hashes`` (``hash``, ``text``) that ``Addresses`` places in fragments
-    still there, each row checked to hold the hash asked for and to be visible at ``upto``."""
+    still there, each row checked to hold the hash asked for and to be visible in ``snap``."""
     out = pa.table({"hash": pa.array([], pa.string()), "text": pa.array([], pa.binary())})
-    where = _ADDRESSES.get(db)
+    where = store.addresses
     if where is None:
         return out
+    upto = snap.commit
     hit = where.keys.is_in(pl.Series("hash", hashes).hash(seed=0).implode()).to_numpy()
     addrs = where.addrs[hit]
     try:
-        ds = db._tables.dataset("artifacts")
+        ds = snap.dataset("artifacts")
         alive = np.array([f.fragment_id for f in ds.get_fragments()], np.uint64)
         addrs = addrs[np.isin(addrs >> np.uint64(32), alive)]
         if not len(addrs):
             return out
-        rows = ds._take_rows(pa.array(addrs), columns=["hash", "content", "commit_id"])
+        rows = take(ds, pa.array(addrs), ["hash", "content", "commit_id"])
     except Exception:  # an accelerator only (Lance's row-address take is marked unstable): scan instead
         return out
-    aborted = db._log.refresh().aborted(below=upto)
+    aborted = snap.aborted()
     ok = pc.and_(pc.is_in(rows["hash"], value_set=hashes), pc.less_equal(rows["commit_id"], upto))
     if aborted:
         ok = pc.and_(ok, pc.invert(pc.is_in(rows["commit_id"], value_set=pa.array(aborted, pa.int64()))))
@@ -311,48 +353,7 @@ def _by_address(db: Database, upto: int, hashes: pa.Array) -> pa.Table:
                      "text": content.cast(pa.binary()) if content.nbytes < (1 << 31) - 1 else content})
 
 
-def _remember(db: Database, upto: int, since: int | None, keys: list[pl.Series], addrs: list[np.ndarray]) -> None:
-    """Record where a scan found the artifacts visible at ``upto``: all of them (``since`` None),
-    or those written after ``since``, added to addresses that reach ``since``."""
-    k = pl.concat(keys) if keys else pl.Series("hash", [], pl.UInt64)
-    a = np.concatenate(addrs) if addrs else np.empty(0, np.uint64)
-    old = _ADDRESSES.get(db)
-    if since is not None:
-        if old is None or old.upto < since or old.upto >= upto:
-            return  # a gap between them, or nothing new
-        k, a = pl.concat([old.keys, k]), np.concatenate([old.addrs, a])
-    elif old is not None and old.upto > upto:
-        return  # an older snapshot's: keep the newer
-    if len(k) <= ADDRESS_ROWS:
-        _ADDRESSES[db] = Addresses(upto, k, a)
-
-
 # ------------------------------------------------------------------ reading
-def _open(db: Database, entry: Mapping[str, Any]) -> Any:
-    import lance
-
-    uri = path(db, entry["spec"]["name"])
-    try:
-        return lance.dataset(uri, version=entry["texts_version"])
-    except (OSError, ValueError, RuntimeError) as e:
-        raise TrellisError(f"the texts of view {entry['spec']['name']!r} ({uri}) are unreadable ({e}); "
-                           "run db.materialize(name) to recompute them") from e
-
-
-def read(db: Database, entry: Mapping[str, Any]) -> pa.Array:
-    """A view's texts in code order, as stored (bytes)."""
-    t = _open(db, entry).to_table(columns=["text"], batch_size=READ_BATCH_ROWS, batch_readahead=READ_AHEAD)
-    return t["text"].combine_chunks()
-
-
-def texts_of(db: Database, entry: Mapping[str, Any], used: pa.Array | None = None,
-             stored: pa.Array | None = None) -> pa.Array:
-    """A view's texts in code order (``stored``: as ``read`` gave them), as strings. Texts
-    that are not UTF-8 raise an ``ExportError`` naming their artifacts if ``used`` (codes)
-    names them (or it is None), and are null otherwise."""
-    return utf8(read(db, entry) if stored is None else stored, lambda: _hashes(db, entry), used)
-
-
 def utf8(values: pa.Array, hashes: Callable[[], pa.Array], used: pa.Array | None = None) -> pa.Array:
     """``values`` (bytes) as strings; see ``texts_of`` (``hashes()``: theirs, for the error)."""
     string = pa.large_string() if pa.types.is_large_binary(values.type) else pa.string()
@@ -386,13 +387,14 @@ def _is_utf8(b: bytes | None) -> bool:
 
 # ------------------------------------------------------------------ resolving
 def resolve(
-    db: Database, commit: int, strings: pl.Series, where: str | None = None, exact: bool = False,
+    store: TextStore, snap: Snapshot, strings: pl.Series, where: str | None = None, exact: bool = False,
     since: int | None = None, scanned: list[pa.Table] | None = None,
 ) -> tuple[pa.Array, pa.Array]:
     """The contents (bytes) of the artifacts whose hashes ``strings`` holds (nulls allowed), as
-    of ``commit``, and per value of ``strings`` the position of its content (null: no such
+    of the snapshot, and per value of ``strings`` the position of its content (null: no such
     artifact). ``where``: a Lance filter narrowing the artifacts scanned; without one (or with
-    ``commit_id > since``, ``since`` given) the scan's rows are remembered (``Addresses``).
+    ``commit_id > since``, ``since`` given) the scan's rows are remembered in ``store``
+    (``Addresses``).
     ``scanned``: that scan's windows, read already (with ``_rowaddr``).
 
     The artifacts are streamed from Lance and matched about ``TEXT_BATCH_BYTES`` at a time,
@@ -411,10 +413,8 @@ def resolve(
     seen: list[pl.Series] = []
     addrs: list[np.ndarray] = []
     if len(wanted):
-        state = db._log.refresh()
-        windows: Iterable[pa.Table] = scanned if scanned is not None else _windows(db._engine.scan(
-            state, commit, "artifacts", ("hash", "content"), batch_rows=TEXT_SCAN_ROWS, where=where,
-            with_row_address=remember))
+        windows: Iterable[pa.Table] = scanned if scanned is not None else _windows(snap.scan(
+            "artifacts", ("hash", "content"), batch_rows=TEXT_SCAN_ROWS, where=where, with_row_address=remember))
         for b in windows:
             h = pl.Series("hash", b.column("hash"))
             k = h if exact else h.hash(seed=0)
@@ -436,9 +436,9 @@ def resolve(
         probes = probes.with_columns(check_probe=strings.hash(seed=_CHECK_SEED))
     joined = probes.join(index, on="k", how="left", maintain_order="left")
     if not exact and (joined["check"] != joined["check_probe"]).any():  # two hashes share a key
-        return resolve(db, commit, strings, where, exact=True, since=since, scanned=scanned)
+        return resolve(store, snap, strings, where, exact=True, since=since, scanned=scanned)
     if remember:
-        _remember(db, commit, since, seen, addrs)
+        store.note_addresses(snap.commit, since, seen, addrs)
     at = joined["at"].to_arrow()
     at = pc.if_else(strings.is_not_null().to_arrow(), at.cast(pa.int32()), pa.scalar(None, pa.int32()))
     big = sum(t.nbytes for t in texts) >= (1 << 31) - 1  # 32-bit offsets while they fit (the layouts' type)

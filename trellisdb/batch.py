@@ -1,0 +1,60 @@
+"""Rows waiting to be committed together: the unit the committer makes durable."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from trellisdb.schema import DATA_TABLES, KEYS, table_schema
+from trellisdb.storage.spaces import space_schema, vector_column
+
+
+@dataclass
+class Batch:
+    """Rows waiting to be committed together, per table."""
+
+    rows: dict[str, list[dict[str, Any]]] = field(default_factory=lambda: {t: [] for t in DATA_TABLES})
+    nodes: dict[str, dict[str, Any]] = field(default_factory=dict)
+    #: ids of nodes created (by add_node) in this batch, not just re-statused
+    added: set[str] = field(default_factory=set)
+    sessions: dict[str, dict[str, Any]] = field(default_factory=dict)
+    tasks: set[str] = field(default_factory=set)
+    hashes: set[str] = field(default_factory=set)
+    session_id: str | None = None
+    #: space table -> (ids, (n, dim) float32 vectors) chunks, in write order
+    vectors: dict[str, list[tuple[list[str], Any]]] = field(default_factory=dict)
+    #: the sessions whose writes the batch holds (None: writes made outside a session)
+    writers: set[str | None] = field(default_factory=set)
+    #: set by the commit once its commit record is durable
+    commit_id: int | None = None
+
+    def __len__(self) -> int:
+        return sum(len(r) for r in self.rows.values()) + sum(len(i) for c in self.vectors.values() for i, _ in c)
+
+    def vector_tables(self, commit_id: int) -> dict[str, pa.Table]:
+        """The space rows of this batch as one Arrow table per space table (no per-row work)."""
+        out = {}
+        for name, chunks in self.vectors.items():
+            ids = [i for c, _ in chunks for i in c]
+            mat = np.concatenate([m for _, m in chunks])
+            cols = [pa.array(ids, pa.string()), vector_column(mat), pa.array(np.full(len(ids), commit_id, np.int64))]
+            out[name] = pa.Table.from_arrays(cols, schema=space_schema(mat.shape[1]))
+        return out
+
+    def to_arrow(self, dim: int, commit_id: int) -> dict[str, pa.Table]:
+        out: dict[str, pa.Table] = {}
+        for name, all_rows in self.rows.items():
+            if not all_rows:
+                continue
+            # Two writes to one key in one commit: the later wins (a commit is
+            # atomic, so the earlier was never visible to anyone).
+            latest = {tuple(r[k] for k in KEYS[name]): r for r in all_rows}
+            rows = list(latest.values()) if len(latest) < len(all_rows) else all_rows
+            sch = table_schema(name, dim)
+            cols = {f.name: [r.get(f.name) for r in rows] for f in sch if f.name != "commit_id"}
+            cols["commit_id"] = [commit_id] * len(rows)
+            out[name] = pa.Table.from_pydict(cols, schema=sch)
+        return out

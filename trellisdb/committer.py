@@ -1,0 +1,516 @@
+"""The write side: staged rows, group commit, transactions, the commit protocol, and the
+lookups a write makes before it stages anything.
+
+``Committer`` is what every writer uses (``SessionWriter``, bulk ingest, ``db.embed``,
+``add_vectors``): ``sink`` gives the batch a write goes to (the thread's transaction, or the
+group batch committed by a timer or ``flush``), ``commit`` runs the commit protocol of
+``ARCHITECTURE.md`` under the writer lock, and the write-path lookups (does a node exist,
+its original row, is an artifact stored) look at pending batches first, then committed
+data through a ``Snapshot``. Tags and compaction are commits to the log and the tables too.
+
+>>> import tempfile
+>>> from trellisdb.store import Store
+>>> from trellisdb.snapshot import Reads
+>>> store = Store(tempfile.mkdtemp() + "/db", embedding_dim=4)
+>>> c = Committer(store, Reads(store))
+>>> with c.sink() as b:
+...     b.rows["tasks"].append({"id": "t", "name": "t"})
+>>> c.flush(), c.flush()
+(1, None)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+import logging
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import pyarrow as pa
+
+from trellisdb.batch import Batch
+from trellisdb.errors import (
+    CommitError,
+    CorruptionError,
+    TransactionError,
+    TrellisError,
+    UnknownCommitError,
+    UnknownTagError,
+    ValidationError,
+)
+from trellisdb.names import check_name, check_text, did_you_mean
+from trellisdb.schema import DATA_TABLES
+from trellisdb.snapshot import Reads
+from trellisdb.storage.tables import PRUNE_GRACE
+from trellisdb.store import Store
+
+log = logging.getLogger("trellisdb")
+
+#: Seconds between background cleanups of old physical versions (per process).
+CLEANUP_INTERVAL = 60.0
+#: The longest pause between retries of a failed group commit (the pause doubles from ``commit_delay``).
+RETRY_MAX_DELAY = 5.0
+
+
+class Transaction:
+    """Handle of a :meth:`Database.transaction` block."""
+
+    commit_id: int | None = None
+
+
+@dataclass
+class _Failure:
+    """A group commit that failed: its error, and the writers (session ids; None for writes made
+    outside a session) not yet told."""
+
+    error: BaseException
+    writers: set[str | None]
+
+
+def _no_tables() -> set[str]:
+    return set()
+
+
+def _nothing(data: Mapping[str, pa.Table]) -> None:
+    return None
+
+
+class Committer:
+    """Pending writes of one open store and the commits that make them durable.
+
+    ``indexing()`` names the tables an index build is running on (not compacted meanwhile);
+    ``after_commit(data)`` is called with the rows of each commit once it is acknowledged
+    (the vectors service starts index upkeep from it)."""
+
+    def __init__(
+        self,
+        store: Store,
+        reads: Reads,
+        *,
+        commit_delay: float = 0.05,
+        max_batch_rows: int = 10_000,
+        auto_compact: bool = True,
+        compact_fragments: int = 8,
+        indexing: Callable[[], set[str]] = _no_tables,
+        after_commit: Callable[[Mapping[str, pa.Table]], None] = _nothing,
+    ) -> None:
+        self.store = store
+        self.reads = reads
+        self.commit_delay = commit_delay
+        self.max_batch_rows = max_batch_rows
+        self.auto_compact = auto_compact
+        self.compact_fragments = compact_fragments
+        self.indexing = indexing
+        self.after_commit = after_commit
+        self._writer_name = f"{socket.gethostname()}:{os.getpid()}"
+        self._state_lock = threading.RLock()
+        self._pending = Batch()
+        self._tx = threading.local()
+        self._timer: threading.Timer | None = None
+        self._failure: _Failure | None = None
+        self._retry_delay = 0.0
+        self._known_nodes: set[str] = set()
+        self._known_hashes: set[str] = set()
+        self._last_cleanup = time.monotonic()
+        self._cleanup_thread: threading.Thread | None = None
+        self.closed = False
+
+    @property
+    def embedding_dim(self) -> int:
+        return self.store.embedding_dim
+
+    # ------------------------------------------------------------ batches
+    def batches(self) -> list[Batch]:
+        """The batches holding this thread's uncommitted writes: its transaction's (if one), then the group's."""
+        tx = getattr(self._tx, "batch", None)
+        return [self._pending] if tx is None else [tx, self._pending]
+
+    def in_transaction(self) -> bool:
+        return getattr(self._tx, "batch", None) is not None
+
+    @contextmanager
+    def state_held(self) -> Iterator[None]:
+        """Hold the pending state still: no group commit moves rows out of a batch meanwhile."""
+        with self._state_lock:
+            yield
+
+    @contextmanager
+    def sink(self, writer: str | None = None) -> Iterator[Batch]:
+        """The batch a write goes to: the thread's transaction, or the group batch. ``writer``
+        (the session writing, if one) is told here of a failed group commit that held its writes."""
+        self.store.writable("writing")
+        if self.closed:
+            raise TransactionError(f"database {self.store.path} is closed")
+        with self._state_lock:
+            self._report_failure(writer)
+        tx = getattr(self._tx, "batch", None)
+        if tx is not None:
+            yield tx
+            tx.writers.add(writer)
+            tx.session_id = writer or tx.session_id
+            return
+        with self._state_lock:
+            yield self._pending
+            self._pending.writers.add(writer)
+            self._pending.session_id = writer or self._pending.session_id
+            n = len(self._pending)
+        if n >= self.max_batch_rows:
+            self.flush()
+        else:
+            self._arm_timer()
+
+    def _arm_timer(self, delay: float | None = None) -> None:
+        with self._state_lock:
+            if self._timer is None:
+                t = threading.Timer(self.commit_delay if delay is None else delay, self._timer_flush)
+                t.daemon = True
+                self._timer = t
+                t.start()
+
+    def _timer_flush(self) -> None:
+        try:
+            self.flush()
+        except BaseException as e:  # recorded by flush for the writers it concerns; retried below
+            log.warning("a group commit failed (retried): %s", e)
+            with self._state_lock:
+                if len(self._pending) and not self.closed:
+                    # retry with a growing pause: a full disk or a damaged log does not mend in 50 ms
+                    self._retry_delay = min(max(2 * self._retry_delay, self.commit_delay), RETRY_MAX_DELAY)
+                    self._arm_timer(self._retry_delay)
+
+    def _report_failure(self, writer: str | None) -> None:
+        """Raise, once per writer, the failure of a group commit that held ``writer``'s writes
+        (they are still pending, and retried)."""
+        f = self._failure
+        if f is not None and writer in f.writers:
+            f.writers.discard(writer)
+            who = f"session {writer!r}" if writer is not None else "this database"
+            raise CommitError(
+                f"the group commit holding earlier writes of {who} failed: {f.error}. Those writes are kept "
+                "and retried (db.flush() retries now); this call wrote nothing"
+            ) from f.error
+
+    def flush(self) -> int | None:
+        """Commit pending group-committed writes now; return the commit id (None if nothing).
+
+        If the commit fails, the writes stay pending (the next flush, or the timer, retries
+        them), the error is raised here, and each session whose writes it held is told on its
+        next write: a failed commit never drops writes silently."""
+        with self._state_lock:
+            if self._timer is not None:
+                self._timer.cancel()
+                self._timer = None
+            batch, self._pending = self._pending, Batch()
+            if not len(batch):
+                return None
+            try:
+                cid = self.commit(batch, None)
+            except BaseException as e:
+                # Nothing was staged meanwhile (we hold the state lock): the batch is the pending one again.
+                self._pending = batch
+                self._failure = _Failure(e, set(batch.writers))
+                raise
+            self._failure = None
+            self._retry_delay = 0.0
+            return cid
+
+    @contextmanager
+    def transaction(self, message: str | None = None) -> Iterator[Transaction]:
+        """Commit every write made in the block (in this thread) as one commit (see
+        :meth:`Database.transaction`)."""
+        self.store.writable("transaction")
+        check_text(message, "commit message")
+        if self.in_transaction():
+            raise TransactionError("transactions do not nest; commit the outer one first")
+        tx = Transaction()
+        self._tx.batch = Batch()
+        try:
+            yield tx
+            batch = self._tx.batch
+        finally:
+            self._tx.batch = None
+        if len(batch):
+            # Earlier group-committed writes (e.g. the parent of a node in this
+            # transaction) commit first, so the transaction never overtakes them.
+            self.flush()
+            tx.commit_id = self.commit(batch, message)
+
+    # ------------------------------------------------------------ commits
+    def commit(self, batch: Batch, message: str | None, extra: Mapping[str, pa.Table] | None = None) -> int:
+        """Commit ``batch`` (and the whole Arrow tables ``extra``) for a caller that waits for it: a
+        failure before the commit point is raised (as ``CommitError`` if it is not a TrellisError)
+        and nothing of the batch is visible; one after it does not undo the acknowledged commit."""
+        try:
+            return self._commit(batch, message=message, extra=extra)
+        except Exception as e:
+            if batch.commit_id is not None:
+                log.warning("commit %d is durable, but what follows it failed: %s", batch.commit_id, e)
+                return batch.commit_id
+            if isinstance(e, TrellisError):
+                raise
+            raise CommitError(f"the commit failed: {e}; nothing of it was written") from e
+
+    def _commit(self, batch: Batch, message: str | None, extra: Mapping[str, pa.Table] | None = None) -> int:
+        s = self.store
+        with s.lock.held():
+            mark = s.log.repair_tail()  # refuses when the log lost acknowledged records
+            st = s.log.refresh()
+            if st.problems:
+                raise CorruptionError(
+                    f"the commit log is damaged ({st.problems[0][1]}); writes are refused until "
+                    "db.repair() (`trellis repair`) mends it and `trellis verify` is clean. Reads still work"
+                )
+            s.guard.check_rows(st, mark)  # rows of commits the log does not record: refused
+            self._collect_aborted()
+            cid = s.guard.next_id(st, mark)
+            s.log.append([{"op": "begin", "id": cid}])
+            data = batch.to_arrow(s.embedding_dim, cid)
+            for name, t in (extra or {}).items():
+                t = t.set_column(
+                    t.schema.get_field_index("commit_id"), "commit_id", pa.array([cid] * t.num_rows, pa.int64())
+                )
+                data[name] = pa.concat_tables([data[name], t]) if name in data else t
+            data.update(batch.vector_tables(cid))
+            rows = 0
+            written = [name for name in (*DATA_TABLES, *batch.vectors) if name in data and data[name].num_rows]
+            for name in written:
+                s.tables.append(name, data[name])
+                rows += data[name].num_rows
+            s.log.append([{"op": "commit", "id": cid, "time": time.time(), "writer": self._writer_name,
+                           "session": batch.session_id, "message": message, "rows": rows}])
+            batch.commit_id = cid  # the commit point: from here on, a failure must not make a retry write it again
+            s.log.refresh()
+            self._known_nodes.update(batch.nodes)
+            self._known_hashes.update(batch.hashes)
+            if self.auto_compact:
+                busy = self.indexing()  # compacting these would preempt their index build
+                for name in written:
+                    if name in busy:
+                        continue
+                    # best effort: an index build committing at the same moment can make Lance refuse
+                    # the rewrite; the next commit compacts instead
+                    with contextlib.suppress(OSError, RuntimeError, ValueError):
+                        s.tables.compact_tiered(name, self.compact_fragments)
+                self._maybe_cleanup()
+        self.after_commit(data)
+        return cid
+
+    def _maybe_cleanup(self) -> None:
+        """Start a background cleanup of old physical versions, at most once per
+        ``CLEANUP_INTERVAL``. Cleanup needs no lock: it deletes only files of
+        versions older than the grace period, never those of a write in flight."""
+        now = time.monotonic()
+        if now - self._last_cleanup < CLEANUP_INTERVAL:
+            return
+        if self._cleanup_thread is not None and self._cleanup_thread.is_alive():
+            return
+        self._last_cleanup = now
+
+        def run() -> None:
+            for name in self.store.all_tables():
+                if self.closed:
+                    return
+                # Best effort: a failure (another process cleaning the same
+                # files) leaves files behind, never removes live ones.
+                try:
+                    self.store.tables.cleanup(name)
+                except Exception as e:
+                    log.info("cleanup of old versions of %s skipped: %s", name, e)
+
+        self._cleanup_thread = threading.Thread(target=run, name="trellisdb-cleanup", daemon=True)
+        self._cleanup_thread.start()
+
+    def _collect_aborted(self) -> None:
+        """Delete rows of commits that began but never committed (holding the lock)."""
+        s = self.store
+        dead = sorted(s.log.state.open_ids)  # we hold the lock: nothing is in flight
+        if not dead:
+            return
+        pred = f"commit_id IN ({', '.join(str(i) for i in dead)})"
+        for name in s.all_tables():
+            s.tables.delete(name, pred)
+        s.log.append([{"op": "collected", "ids": dead}])
+        s.log.refresh()
+
+    def compact(self, prune_older_than: dt.timedelta = PRUNE_GRACE) -> dict[str, Any]:
+        """Compact every table's fragments now and drop physical versions older than ``prune_older_than``."""
+        self.store.writable("compact")
+        self.flush()
+        s = self.store
+        with s.lock.held():
+            out = {name: s.tables.compact(name) for name in s.all_tables()}
+        for name in s.all_tables():
+            s.tables.cleanup(name, prune_older_than)
+        return out
+
+    # ---------------------------------------------------------------- tags
+    def tag(self, name: str, commit: int | None = None, *, move: bool = False) -> int:
+        """Name a commit (default: the latest); see :meth:`Database.tag`."""
+        self.store.writable("tag")
+        check_name(name, "tag name")
+        if name.isdigit():
+            raise ValidationError(f"tag name {name!r} must not be a number (AS OF COMMIT takes numbers)")
+        if commit is not None and (isinstance(commit, bool) or not isinstance(commit, int)):
+            raise ValidationError(f"commit must be a commit id (an integer) or None, not {commit!r}")
+        self.flush()
+        s = self.store
+        with s.lock.held():
+            s.log.repair_tail()
+            st = s.log.refresh()
+            cid = st.last_committed if commit is None else commit
+            if cid not in st.commits:
+                raise UnknownCommitError(f"commit {cid} does not exist; see `trellis log`")
+            old = st.tags.get(name)
+            if old == cid:
+                return cid
+            if old is not None and not move:
+                raise ValidationError(
+                    f"tag {name!r} names commit {old}; pass move=True (trellis tag --move) to point it at {cid}, "
+                    f"or untag it first"
+                )
+            s.log.append([{"op": "tag", "name": name, "id": cid}])
+            s.log.refresh()
+        return cid
+
+    def untag(self, name: str) -> int:
+        """Remove tag ``name``; return the commit it named."""
+        self.store.writable("untag")
+        if not isinstance(name, str):
+            raise ValidationError(f"tag name must be a string, got {type(name).__name__}")
+        s = self.store
+        with s.lock.held():
+            s.log.repair_tail()
+            st = s.log.refresh()
+            cid = st.tags.get(name, st.invalid_tags.get(name))
+            if cid is None:
+                raise UnknownTagError(f"tag {name!r} does not exist{did_you_mean(name, list(st.tags))}")
+            s.log.append([{"op": "untag", "name": name}])
+            s.log.refresh()
+        return cid
+
+    # ------------------------------------------------- lookups for writes
+    def lookup(self, text: str, params: list[Any]) -> list[dict[str, Any]]:
+        """Rows of an internal query as of the latest commit."""
+        return self.reads.at_commit(self.reads.state().last_committed).rows(text, params)
+
+    def exists(self, table: str, col: str, value: str) -> bool:
+        """Whether any committed row of ``table`` has ``col = value``."""
+        return bool(self.lookup(f"SELECT 1 FROM {table}_history WHERE {col} = $1 LIMIT 1", [value]))
+
+    def missing_nodes(self, ids: list[str]) -> list[str]:
+        """The ids among ``ids`` that are neither pending nor committed."""
+        # Under the state lock: a group commit moving rows from pending to the
+        # store must not make them invisible to this check half-way.
+        with self._state_lock:
+            batches = self.batches()
+            todo = [i for i in ids if i not in self._known_nodes and not any(i in b.nodes for b in batches)]
+            if not todo:
+                return []
+            found = {r["id"] for r in self.lookup(
+                "SELECT DISTINCT id FROM nodes_history WHERE id IN (SELECT unnest($1::VARCHAR[]))", [todo])}
+            self._known_nodes.update(found)
+            return [i for i in todo if i not in found]
+
+    def node_rows(self, ids: Sequence[str]) -> dict[str, dict[str, Any]]:
+        """The latest row of each node (pending or committed) by id; unknown ids are absent."""
+        out: dict[str, dict[str, Any]] = {}
+        with self._state_lock:
+            for b in self.batches():
+                out.update((i, b.nodes[i]) for i in ids if i in b.nodes and i not in out)
+            todo = [i for i in ids if i not in out]
+            if len(todo) == 1:
+                rows = self.lookup(
+                    "SELECT * EXCLUDE (commit_id) FROM nodes_full_history WHERE id = $1 "
+                    "ORDER BY commit_id DESC LIMIT 1",
+                    todo,
+                )
+            elif todo:
+                rows = self.lookup(
+                    "SELECT * EXCLUDE (commit_id) FROM nodes_full_history "
+                    "WHERE id IN (SELECT unnest($1::VARCHAR[])) "
+                    "QUALIFY row_number() OVER (PARTITION BY id ORDER BY commit_id DESC) = 1",
+                    [todo],
+                )
+            else:
+                rows = []
+            out.update((r["id"], r) for r in rows)
+        return out
+
+    def node_original(self, node_id: str, edge_kind: str) -> tuple[dict[str, Any], set[str]] | None:
+        """The first row written for a node and its ``edge_kind`` parents from
+        that same write: what an idempotent retry of ``add_node`` must match."""
+        with self._state_lock:
+            for b in self.batches():
+                if node_id in b.added:
+                    parents = {e["src"] for e in b.rows["edges"] if e["dst"] == node_id and e["kind"] == edge_kind}
+                    return b.nodes[node_id], parents
+            rows = self.lookup("SELECT * FROM nodes_full_history WHERE id = $1 ORDER BY commit_id LIMIT 1", [node_id])
+            if not rows:
+                return None
+            first = rows[0]
+            srcs = self.lookup(
+                "SELECT src FROM edges_history WHERE dst = $1 AND kind = $2 AND commit_id = $3",
+                [node_id, edge_kind, first.pop("commit_id")],
+            )
+            return first, {r["src"] for r in srcs}
+
+    def has_artifact(self, h: str) -> bool:
+        """Whether artifact ``h`` is stored or pending in the group batch."""
+        if h in self._known_hashes or h in self._pending.hashes:
+            return True
+        if self.exists("artifacts", "hash", h):
+            self._known_hashes.add(h)
+            return True
+        return False
+
+    def session_row(self, session_id: str) -> dict[str, Any] | None:
+        """The latest row of a session (pending or committed), or None."""
+        with self._state_lock:
+            for b in self.batches():
+                if session_id in b.sessions:
+                    return dict(b.sessions[session_id])
+        rows = self.lookup("SELECT * EXCLUDE (commit_id) FROM sessions WHERE id = $1", [session_id])
+        return rows[0] if rows else None
+
+    def task_row(self, task_id: str, b: Batch) -> dict[str, Any] | None:
+        """The row of a task, pending in ``b`` or committed, or None."""
+        if task_id in b.tasks:
+            return next((r for r in reversed(b.rows["tasks"]) if r["id"] == task_id), None)
+        rows = self.lookup("SELECT * EXCLUDE (commit_id) FROM tasks_full WHERE id = $1", [task_id])
+        return rows[0] if rows else None
+
+    def pending_task(self, task_id: str) -> bool:
+        return any(task_id in b.tasks for b in self.batches())
+
+    def comparison_row(self, comparison_id: str) -> dict[str, Any] | None:
+        """The latest row of a comparison (pending or committed), or None."""
+        with self._state_lock:
+            for b in self.batches():
+                row = next((r for r in reversed(b.rows["comparisons"]) if r["id"] == comparison_id), None)
+                if row is not None:
+                    return dict(row)
+        rows = self.lookup("SELECT * EXCLUDE (commit_id) FROM comparisons WHERE id = $1", [comparison_id])
+        return rows[0] if rows else None
+
+    def max_step(self, session_id: str) -> int:
+        """The highest step a session has written (pending or committed), 0 if none."""
+        rows = self.lookup("SELECT coalesce(max(step), 0) AS s FROM nodes WHERE session_id = $1", [session_id])
+        pending = [r["step"] or 0 for b in self.batches() for r in b.nodes.values() if r["session_id"] == session_id]
+        return max([int(rows[0]["s"]), *pending])
+
+    # --------------------------------------------------------------- close
+    def close(self) -> None:
+        """Flush pending writes; wait for a background cleanup to stop."""
+        if self.closed:
+            return
+        self.flush()
+        self.closed = True
+        if self._cleanup_thread is not None:
+            self._cleanup_thread.join()

@@ -1,0 +1,205 @@
+"""The read side: a ``Snapshot`` is the database as of one commit, with what every reader needs.
+
+``Reads`` (one per open database) resolves a point in time (``trellisdb/asof.py``) and hands
+out snapshots; it keeps the catalog caches (the distinct channels, sessions and tasks,
+extended by the commits since the last look). A ``Snapshot`` runs SQL over the snapshot views
+(``sql``, ``rows``, ``prepare``), streams a table's columns from Lance (``scan``), gives the
+in-memory lineage adjacency (``adjacency``), a Lance dataset for vector search (``dataset``),
+and the catalog: commits, tags, names, embedding spaces. TQL, views, texts and export read
+through it, never through the database handle.
+
+>>> import tempfile, trellisdb
+>>> db = trellisdb.connect(tempfile.mkdtemp() + "/db", embedding_dim=4)
+>>> with db.session(task="t", agent="a") as s:
+...     _ = s.add_node(id="n1")
+>>> snap = db.snapshot()
+>>> snap.rows("SELECT id FROM nodes WHERE id = $1", ["n1"]), sorted(snap.names("tasks", "id"))
+([{'id': 'n1'}], ['t'])
+>>> db.snapshot(as_of=0).sql("SELECT count(*) AS n FROM nodes").to_pylist()
+[{'n': 0}]
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+from collections.abc import Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import pyarrow as pa
+
+from trellisdb import asof
+from trellisdb.errors import UnknownSpaceError
+from trellisdb.names import did_you_mean
+from trellisdb.schema import DATA_TABLES
+from trellisdb.storage.log import LogState
+from trellisdb.storage.spaces import TARGETS, Space
+
+if TYPE_CHECKING:
+    import duckdb
+    import lance
+
+    from trellisdb.graph import Adjacency
+    from trellisdb.store import Store
+
+#: A table named in SQL text (``nodes``, ``nodes_full_history``, ...).
+_TABLE_NAMES = re.compile(rf"\b({'|'.join(DATA_TABLES)})(?:_full)?(?:_history)?\b")
+
+
+def tables_named(text: str) -> tuple[str, ...]:
+    """The data tables an internal SQL text reads: the ones whose mirror must be current."""
+    return tuple(dict.fromkeys(m.group(1) for m in _TABLE_NAMES.finditer(text)))
+
+
+class Reads:
+    """Snapshots of one open store, and the catalog caches they share."""
+
+    def __init__(self, store: Store) -> None:
+        #: the open folder the snapshots read
+        self.store = store
+        self._names: dict[tuple[str, str], tuple[set[str], int]] = {}
+        self._names_lock = threading.Lock()
+
+    def state(self) -> LogState:
+        """The commit log as it is now (re-read if it grew)."""
+        return self.store.log.refresh()
+
+    def resolve(self, as_of: object = None) -> int:
+        """The commit id a point in time names: a commit id, tag, timestamp or None (latest)."""
+        st = self.state()
+        return asof.resolve(st.commits, st.tags, st.last_committed, as_of)
+
+    def at(self, as_of: object = None) -> Snapshot:
+        """The database as of ``as_of`` (default: the latest commit)."""
+        st = self.state()
+        return Snapshot(self, st, asof.resolve(st.commits, st.tags, st.last_committed, as_of))
+
+    def at_commit(self, commit: int, state: LogState | None = None) -> Snapshot:
+        """The database as of commit id ``commit``, already resolved."""
+        return Snapshot(self, state or self.state(), commit)
+
+    def names(self, table: str, col: str) -> set[str]:
+        """Distinct values of a name column (channels, session ids, task ids) as of the latest
+        commit, cached and extended incrementally by the commits since the last look."""
+        last = self.state().last_committed
+        with self._names_lock:
+            known, upto = self._names.get((table, col), (set(), 0))
+        if upto < last:
+            rows = self.at_commit(last).rows(
+                f"SELECT DISTINCT {col} AS v FROM {table}_history WHERE commit_id > $1", [upto])
+            known = known | {r["v"] for r in rows}
+            with self._names_lock:
+                if self._names.get((table, col), (set(), 0))[1] < last:
+                    self._names[(table, col)] = (known, last)
+        return known
+
+    def spaces(self) -> list[Space]:
+        """Every embedding space (built-in and named)."""
+        return self.store.spaces.all()
+
+    def space(self, name: str, target: str) -> Space:
+        """Embedding space ``name`` of ``target``, or ``UnknownSpaceError`` naming the ones that exist."""
+        reg = self.store.spaces
+        sp = reg.get(target, name) if target in TARGETS else None
+        if sp is None:
+            names = reg.names(target) if target in TARGETS else []
+            raise UnknownSpaceError(
+                f"unknown embedding space {name!r} of {target}{did_you_mean(name, names)}; spaces: "
+                f"{', '.join(names) or 'none'} (create one with db.create_space)"
+            )
+        return sp
+
+
+class Snapshot:
+    """The database as of commit ``commit``: SQL, scans, the adjacency and the catalog."""
+
+    def __init__(self, reads: Reads, state: LogState, commit: int) -> None:
+        self._reads = reads
+        self._store = reads.store
+        #: the commit log when the snapshot was taken
+        self.state = state
+        #: the commit id this snapshot shows
+        self.commit = commit
+
+    @property
+    def latest(self) -> int:
+        """The last commit when the snapshot was taken."""
+        return self.state.last_committed
+
+    # -------------------------------------------------------------- SQL
+    def sql(
+        self,
+        text: str,
+        params: Sequence[Any] | Mapping[str, Any] | None = None,
+        *,
+        relations: Mapping[str, pa.Table] | None = None,
+        tables: Sequence[str] = DATA_TABLES,
+    ) -> pa.Table:
+        """Rows of SQL ``text`` over the snapshot views (``relations``: Arrow tables it may read by
+        name; ``tables``: the tables whose mirror must be current, default all)."""
+        return self._store.engine.run(self.state, self.commit, text, params, tables, relations)
+
+    def rows(self, text: str, params: Sequence[Any] | Mapping[str, Any] | None = None) -> list[dict[str, Any]]:
+        """Rows of an internal query as dicts; only the tables its text names are refreshed."""
+        return self._store.engine.run(self.state, self.commit, text, params, tables_named(text)).to_pylist()  # type: ignore[no-any-return]
+
+    def prepare(self, tables: Sequence[str] = DATA_TABLES) -> duckdb.DuckDBPyConnection:
+        """This thread's DuckDB connection, its views showing the snapshot (to register relations on)."""
+        return self._store.engine.prepare(self.state, self.commit, tables)
+
+    def scan(
+        self, table: str, columns: Sequence[str], *, batch_rows: int = 1 << 20, where: str | None = None,
+        with_row_address: bool = False,
+    ) -> Iterator[pa.RecordBatch]:
+        """Every visible version of ``table``'s rows, ``columns`` only, streamed from Lance."""
+        return self._store.engine.scan(self.state, self.commit, table, columns, batch_rows=batch_rows, where=where,
+                                       with_row_address=with_row_address)
+
+    def adjacency(self) -> Adjacency:
+        """The committed lineage edges as in-memory adjacency arrays (``trellisdb/graph.py``); a walk
+        masks them to this snapshot's commit."""
+        return self._store.engine.adjacency(self.state)
+
+    def dataset(self, table: str) -> lance.LanceDataset:
+        """The Lance dataset of ``table`` (latest version): for vector and keyword search, and
+        reads by row address. Rows above the snapshot are filtered by the caller (``aborted``)."""
+        return self._store.tables.dataset(table)
+
+    def aborted(self) -> list[int]:
+        """Ids at or below the snapshot of commits that never committed (their rows are invisible)."""
+        return self.state.aborted(below=self.commit)
+
+    # ---------------------------------------------------------- catalog
+    @property
+    def tags(self) -> dict[str, int]:
+        return dict(self.state.tags)
+
+    @property
+    def commits(self) -> Mapping[int, Mapping[str, Any]]:
+        return self.state.commits
+
+    def names(self, table: str, col: str) -> set[str]:
+        """Distinct values of a name column as of the latest commit (cached; see ``Reads.names``)."""
+        return self._reads.names(table, col)
+
+    def step_commit(self, session_id: str, step: int) -> int | None:
+        """The commit that first recorded step ``step`` of a session."""
+        rows = self.rows(
+            "SELECT min(commit_id) AS c FROM nodes_history WHERE session_id = $1 AND step = $2", [session_id, step]
+        )
+        c = rows[0]["c"]
+        return int(c) if c is not None else None
+
+    def spaces(self) -> list[Space]:
+        return self._reads.spaces()
+
+    def space(self, name: str, target: str) -> Space:
+        return self._reads.space(name, target)
+
+    def resolve(self, as_of: object) -> int:
+        """The commit id ``as_of`` names, in this snapshot's log."""
+        st = self.state
+        return asof.resolve(st.commits, st.tags, st.last_committed, as_of)
+
+    def __repr__(self) -> str:
+        return f"<trellisdb.Snapshot commit={self.commit} of {self._store.path!r}>"
