@@ -110,7 +110,7 @@ def _in_store(snap: Snapshot, values: pa.Array, table: str, col: str, *, present
         return values
     join = "SEMI" if present else "ANTI"
     cap = f" LIMIT {int(limit)}" if limit else ""
-    t = snap.sql(f"SELECT DISTINCT w.v FROM __want w {join} JOIN {table}_history h ON h.{col} = w.v{cap}",
+    t = snap.execute(f"SELECT DISTINCT w.v FROM __want w {join} JOIN {table}_history h ON h.{col} = w.v{cap}",
                  relations={"__want": pa.table({"v": values})})
     return t.column("v").combine_chunks()
 

@@ -136,12 +136,6 @@ class Committer:
         return getattr(self._tx, "batch", None) is not None
 
     @contextmanager
-    def state_held(self) -> Iterator[None]:
-        """Hold the pending state still: no group commit moves rows out of a batch meanwhile."""
-        with self._state_lock:
-            yield
-
-    @contextmanager
     def sink(self, writer: str | None = None) -> Iterator[Batch]:
         """The batch a write goes to: the thread's transaction, or the group batch. ``writer``
         (the session writing, if one) is told here of a failed group commit that held its writes."""

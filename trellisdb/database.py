@@ -28,14 +28,14 @@ from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 
-from trellisdb import usersql, writer
+from trellisdb import writer
 from trellisdb.asof import AsOf
 from trellisdb.batch import Batch
 from trellisdb.committer import Committer, Transaction
 from trellisdb.errors import ValidationError
 from trellisdb.names import check_text, name_problem
 from trellisdb.paths import check_root, confined, default_root
-from trellisdb.reader import PUBLIC_RELATIONS, commits_table
+from trellisdb.reader import commits_table
 from trellisdb.result import Result
 from trellisdb.snapshot import Reads, Snapshot
 from trellisdb.storage.tables import PRUNE_GRACE
@@ -409,8 +409,7 @@ class Database:
         relations; anything else (writes, DDL, settings, file or extension access, internal
         relations) raises ``QueryError`` (``trellisdb/usersql.py``).
         """
-        usersql.check(text, PUBLIC_RELATIONS)
-        return Result(self._reads.at(as_of).sql(text, params), sql=text)
+        return self._reads.at(as_of).sql(text, params)
 
     def query(self, text: str, **params: Any) -> QueryResult:
         """Run a TQL query; ``$name`` in the text takes the value of ``name=...``.

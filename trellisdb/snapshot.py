@@ -3,7 +3,7 @@
 ``Reads`` (one per open database) resolves a point in time (``trellisdb/asof.py``) and hands
 out snapshots; it keeps the catalog caches (the distinct channels, sessions and tasks,
 extended by the commits since the last look). A ``Snapshot`` runs SQL over the snapshot views
-(``sql``, ``rows``, ``prepare``), streams a table's columns from Lance (``scan``), gives the
+(``sql`` for a caller's checked text; ``execute`` and ``rows`` for trellisdb's own), streams a table's columns from Lance (``scan``), gives the
 in-memory lineage adjacency (``adjacency``), a Lance dataset for vector search (``dataset``),
 and the catalog: commits, tags, names, embedding spaces. TQL, views, texts and export read
 through it, never through the database handle.
@@ -13,7 +13,7 @@ through it, never through the database handle.
 >>> with db.session(task="t", agent="a") as s:
 ...     _ = s.add_node(id="n1")
 >>> snap = db.snapshot()
->>> snap.rows("SELECT id FROM nodes WHERE id = $1", ["n1"]), sorted(snap.names("tasks", "id"))
+>>> snap.sql("SELECT id FROM nodes WHERE id = $1", ["n1"]).to_pylist(), sorted(snap.names("tasks", "id"))
 ([{'id': 'n1'}], ['t'])
 >>> db.snapshot(as_of=0).sql("SELECT count(*) AS n FROM nodes").to_pylist()
 [{'n': 0}]
@@ -28,15 +28,16 @@ from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 
-from trellisdb import asof
+from trellisdb import asof, usersql
 from trellisdb.errors import UnknownSpaceError
 from trellisdb.names import did_you_mean
+from trellisdb.reader import PUBLIC_RELATIONS
+from trellisdb.result import Result
 from trellisdb.schema import DATA_TABLES
 from trellisdb.storage.log import LogState
 from trellisdb.storage.spaces import TARGETS, Space
 
 if TYPE_CHECKING:
-    import duckdb
     import lance
 
     from trellisdb.graph import Adjacency
@@ -127,7 +128,13 @@ class Snapshot:
         return self.state.last_committed
 
     # -------------------------------------------------------------- SQL
-    def sql(
+    def sql(self, text: str, params: Sequence[Any] | Mapping[str, Any] | None = None) -> Result:
+        """A caller's SQL over the snapshot: one read-only query over the public views, checked
+        like ``db.sql`` (``trellisdb/usersql.py``); values go in ``params``."""
+        usersql.check(text, PUBLIC_RELATIONS)
+        return Result(self.execute(text, params), sql=text)
+
+    def execute(
         self,
         text: str,
         params: Sequence[Any] | Mapping[str, Any] | None = None,
@@ -135,17 +142,15 @@ class Snapshot:
         relations: Mapping[str, pa.Table] | None = None,
         tables: Sequence[str] = DATA_TABLES,
     ) -> pa.Table:
-        """Rows of SQL ``text`` over the snapshot views (``relations``: Arrow tables it may read by
-        name; ``tables``: the tables whose mirror must be current, default all)."""
+        """trellisdb's own SQL over the snapshot views, unchecked: internal relations allowed
+        (``relations``: Arrow tables it may read by name; ``tables``: the tables whose mirror
+        must be current, default all). Never pass a caller's text here: that is :meth:`sql`."""
         return self._store.engine.run(self.state, self.commit, text, params, tables, relations)
 
     def rows(self, text: str, params: Sequence[Any] | Mapping[str, Any] | None = None) -> list[dict[str, Any]]:
-        """Rows of an internal query as dicts; only the tables its text names are refreshed."""
+        """Rows of trellisdb's own query as dicts (unchecked, like :meth:`execute`); only the
+        tables its text names are refreshed."""
         return self._store.engine.run(self.state, self.commit, text, params, tables_named(text)).to_pylist()  # type: ignore[no-any-return]
-
-    def prepare(self, tables: Sequence[str] = DATA_TABLES) -> duckdb.DuckDBPyConnection:
-        """This thread's DuckDB connection, its views showing the snapshot (to register relations on)."""
-        return self._store.engine.prepare(self.state, self.commit, tables)
 
     def scan(
         self, table: str, columns: Sequence[str], *, batch_rows: int = 1 << 20, where: str | None = None,

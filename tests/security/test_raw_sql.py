@@ -126,6 +126,17 @@ def test_internal_relations_are_out_of_reach(db: trellisdb.Database, sql: str) -
         db.sql(sql)
 
 
+@pytest.mark.parametrize("sql", [*MUTATES, *INTERNAL, *READS_FILES])
+def test_a_snapshot_checks_sql_as_db_sql_does(db: trellisdb.Database, sql: str) -> None:
+    """``db.snapshot().sql`` is a caller's way in too: the same check, nothing changes."""
+    before = _answers(db)
+    snap = db.snapshot()
+    with pytest.raises(trellisdb.QueryError):
+        snap.sql(sql)
+    assert _answers(db) == before
+    assert snap.sql("SELECT count(*) AS n FROM nodes").to_pylist() == db.sql("SELECT count(*) AS n FROM nodes").to_pylist()
+
+
 def test_the_public_relations_stay_readable(db: trellisdb.Database) -> None:
     ok = [
         "SELECT count(*) AS n FROM nodes",

@@ -223,11 +223,6 @@ class CommitLog:
         """Bytes of whole lines read: the log up to a torn or damaged final line, if any."""
         return self._offset
 
-    @property
-    def file_size(self) -> int:
-        """The file's length at the last refresh."""
-        return self._size
-
     def reload(self) -> LogState:
         """Forget what was read and read the log from its start (after a repair replaced it)."""
         with self._refreshing:

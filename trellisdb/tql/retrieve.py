@@ -60,7 +60,7 @@ def vector_step(snap: Snapshot, vectors: Vectors, plan: P.Plan, bound: Bound) ->
     candidates = None
     pre = prefilter_sql(plan)
     if pre is not None:
-        candidates = snap.sql(pre[0], pre[1]).column("id").combine_chunks()
+        candidates = snap.execute(pre[0], pre[1]).column("id").combine_chunks()
     notes = []
     searches_vectors = vs.similar_text is not None or vs.vector_param is not None
     fused_k = 2 * k + 10 if searches_vectors and vs.matching is not None else k  # fuse from deeper lists

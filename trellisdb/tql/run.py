@@ -86,7 +86,7 @@ class QueryResult(Result):
         if self._bound is None or "id" not in self.columns or getattr(self._bound.statement, "entity", "nodes") != "nodes":
             raise QueryError("edges() needs a result of nodes with an id column (e.g. RETRIEVE, LINEAGE, FRONTIER)")
         ids = pa.table({"id": self._table.column("id").cast(pa.string())})
-        return self._snap.sql(
+        return self._snap.execute(
             "SELECT src, dst, kind FROM edges WHERE src IN (SELECT id FROM __ids) AND dst IN (SELECT id FROM __ids) "
             "ORDER BY src, dst, kind", relations={"__ids": ids}, tables=("edges",),
         )
@@ -141,7 +141,7 @@ def prepare(latest: Snapshot, text: str, params: Mapping[str, Any]) -> tuple[Bou
 def explain_text(snap: Snapshot, vectors: Vectors, bound: Bound, plan: Plan, compiled: Compiled,
                  search: str | None = None) -> str:
     rel = {"__found": EMPTY_FOUND} if isinstance(bound.statement, A.Retrieve) else None
-    physical = snap.sql("EXPLAIN " + compiled.sql, compiled.params, relations=rel)
+    physical = snap.execute("EXPLAIN " + compiled.sql, compiled.params, relations=rel)
     duck = "\n".join(str(v) for v in physical.column(physical.num_columns - 1).to_pylist()) if physical.num_rows else ""
     params = ", ".join(f"${k} = {v!r}" for k, v in compiled.params.items()) or "none"
     step = ""
@@ -249,7 +249,7 @@ def run(reads: Reads, vectors: Vectors, db: ViewCommands, text: str, params: Map
         seeds, search = vector_step(snap, vectors, plan, bound)
         relations = {"__found": expand(snap, plan, seeds)}
     try:
-        table = snap.sql(compiled.sql, compiled.params, relations=relations)
+        table = snap.execute(compiled.sql, compiled.params, relations=relations)
     except QueryError as e:
         if type(e) is not QueryError:
             raise

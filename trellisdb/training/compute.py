@@ -27,7 +27,7 @@ def check(snap: Snapshot, spec: ViewOptions) -> None:
     """Raise if the view's conditions do not compile or its reward is not a number."""
     base = sql.base_at(snap, spec)
     text = f"SELECT __reward FROM ({base.full}) LIMIT 0"
-    typ = snap.sql(text, sql.used(text, base.params)).schema.field("__reward").type
+    typ = snap.execute(text, sql.used(text, base.params)).schema.field("__reward").type
     if not (pa.types.is_integer(typ) or pa.types.is_floating(typ) or pa.types.is_decimal(typ)
             or pa.types.is_null(typ)):
         raise ValidationError(f"view {spec.name!r}: reward must be a number, but {spec.reward!r} is {typ}; "
@@ -47,7 +47,7 @@ def compute(snap: Snapshot, spec: ViewOptions, dirty: Mapping[str, pa.Table] | N
     base = sql.base_at(snap, spec)
     text = statement(spec, base, dirty)
     args: dict[str, Any] = {**base.params, **sql.option_params(spec)}
-    rows = snap.sql(text, sql.used(text, args), relations=dict(dirty) if dirty else None)
+    rows = snap.execute(text, sql.used(text, args), relations=dict(dirty) if dirty else None)
     return kind.finish(snap, spec, rows)
 
 

@@ -79,7 +79,7 @@ def _dirty(snap: Snapshot, spec: ViewSpec, since: int) -> tuple[pa.Array, pa.Arr
                   "AND node_id IN (SELECT id FROM __changed)")
     # the touched nodes first, on their own: as a CTE DuckDB guessed them at millions of rows and
     # built its hash tables on the edges (0.17 s at 1M nodes; 0.07 s in two statements)
-    changed = snap.sql(changed_since(since, _compares(spec)))
+    changed = snap.execute(changed_since(since, _compares(spec)))
     if spec.group_by == "parent":  # the groups' edges come back too (what = 3): the members are their ends
         edges = (f"__ge AS MATERIALIZED (SELECT DISTINCT src, dst FROM edges WHERE kind IN ({kinds}) "
                  "AND src IN (SELECT grp FROM __groups)), ")
@@ -89,7 +89,7 @@ def _dirty(snap: Snapshot, spec: ViewSpec, since: int) -> tuple[pa.Array, pa.Arr
         edges, mem, tail = "", members_sql(spec, "__changed", "__groups"), ""
     text = (f"WITH __groups AS MATERIALIZED ({groups}), {edges}__mem AS ({mem}) "
             f"SELECT 1 AS what, grp AS id, NULL::VARCHAR AS dst FROM __groups UNION ALL SELECT 2, id, NULL FROM __mem{tail}")
-    t = snap.sql(text, {"p": spec.prompt} if "$p" in text else None, relations={"__changed": changed})
+    t = snap.execute(text, {"p": spec.prompt} if "$p" in text else None, relations={"__changed": changed})
     what = pa.array(t["what"].combine_chunks().to_numpy())
     ids = t["id"].combine_chunks().cast(_S)
     groups_now, members = (ids.filter(pc.equal(what, k)) for k in (1, 2))
@@ -157,7 +157,7 @@ def refresh_rows(stored: RowStore, snap: Snapshot, spec: ViewSpec, entry: Mappin
         touched = pc.or_(touched, pc.fill_null(pc.is_in(old["group_key"], value_set=groups), False))
     if spec.paths:
         # trajectories through a touched node: their leaves, old and new (descendants of the touched)
-        leaves = snap.sql(
+        leaves = snap.execute(
             # from the touched nodes and their parents (a parent stops being a leaf when a child is selected)
             f"WITH RECURSIVE d AS (SELECT id, 0 AS h FROM __changed UNION SELECT src, 0 FROM edges "
             f"WHERE kind IN ({kinds}) AND dst IN (SELECT id FROM __changed) UNION SELECT e.dst, d.h + 1 FROM d "
@@ -191,7 +191,7 @@ def _recompute(snap: Snapshot, spec: ViewSpec, ids: pa.Array, groups: pa.Array,
         dirty["__group_edges"] = edges
     if members is None:
         text = members_sql(spec, "__dirty_nodes", "__dirty_groups")
-        members = snap.sql(text, {"p": spec.prompt} if "$p" in text else None,
+        members = snap.execute(text, {"p": spec.prompt} if "$p" in text else None,
                            relations=dirty)["id"].combine_chunks()
     dirty["__members"] = pa.table({"id": members})
     return compute(snap, spec, dirty)

@@ -203,7 +203,7 @@ class Vectors:
 
         have = self._store.tables.dataset(sp.table).to_table(columns=["id"])
         col = sp.text or TEXT_COLUMN[target]
-        todo = self._reads.at().sql(
+        todo = self._reads.at().execute(
             f'SELECT id, "{col}" AS t FROM {target} WHERE "{col}" IS NOT NULL AND id NOT IN (SELECT id FROM __have) '
             "ORDER BY id", relations={"__have": have}, tables=(target,))
         ids, texts = todo["id"].to_pylist(), todo["t"].to_pylist()

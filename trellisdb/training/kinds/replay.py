@@ -92,7 +92,7 @@ class Replay(ViewKind):
 
 def _channel(snap: Snapshot, channel: str, ids: pa.ChunkedArray) -> np.ndarray:
     """Per id, its value of reward ``channel`` (NaN: none)."""
-    t = snap.sql("SELECT node_id, value FROM rewards WHERE channel = $c AND node_id IN (SELECT id FROM __ids)",
+    t = snap.execute("SELECT node_id, value FROM rewards WHERE channel = $c AND node_id IN (SELECT id FROM __ids)",
                  {"c": channel}, relations={"__ids": pa.table({"id": ids})})
     joined = pa.table({"node_id": ids}).join(t, "node_id", join_type="left outer")
     order = pc.index_in(ids, value_set=joined["node_id"].combine_chunks())
