@@ -220,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     rows.append({"measure": "frontier AS OF first commit vs latest", "mine": a, "base": b,
                  "ratio": a["p50_ms"] / b["p50_ms"], "target": "<= 1.5"})
     log("4. parse + resolve + compile per query")
-    cat = catalog(db)
+    cat = catalog(db.snapshot())
     cat.channels()
     cat.sessions()
     per: dict[str, float] = {}
