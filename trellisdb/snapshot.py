@@ -67,8 +67,7 @@ class Reads:
 
     def resolve(self, as_of: object = None) -> int:
         """The commit id a point in time names: a commit id, tag, timestamp or None (latest)."""
-        st = self.state()
-        return asof.resolve(st.commits, st.tags, st.last_committed, as_of)
+        return self.at(as_of).commit
 
     def at(self, as_of: object = None) -> Snapshot:
         """The database as of ``as_of`` (default: the latest commit)."""
@@ -200,11 +199,6 @@ class Snapshot:
 
     def space(self, name: str, target: str) -> Space:
         return self._reads.space(name, target)
-
-    def resolve(self, as_of: object) -> int:
-        """The commit id ``as_of`` names, in this snapshot's log."""
-        st = self.state
-        return asof.resolve(st.commits, st.tags, st.last_committed, as_of)
 
     def __repr__(self) -> str:
         return f"<trellisdb.Snapshot commit={self.commit} of {self._store.path!r}>"
