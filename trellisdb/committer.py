@@ -57,6 +57,15 @@ log = logging.getLogger("trellisdb")
 CLEANUP_INTERVAL = 60.0
 #: The longest pause between retries of a failed group commit (the pause doubles from ``commit_delay``).
 RETRY_MAX_DELAY = 5.0
+#: Commits of at most this many rows and bytes are written to the WAL (one fsynced append);
+#: bigger ones (bulk ingest) are appended to Lance directly.
+WAL_MAX_ROWS = 4096
+WAL_MAX_BYTES = 8 << 20
+#: A background checkpoint moves the WAL into Lance once it holds this many bytes or commits...
+CHECKPOINT_BYTES = 32 << 20
+CHECKPOINT_COMMITS = 2000
+#: ... or once no commit came for this many seconds.
+CHECKPOINT_DELAY = 1.0
 
 
 class Transaction:
@@ -121,6 +130,18 @@ class Committer:
         self._last_cleanup = time.monotonic()
         self._cleanup_thread: threading.Thread | None = None
         self.closed = False
+        #: commits up to this many rows and bytes go to the WAL; bigger ones straight to Lance
+        self.wal_max_rows = WAL_MAX_ROWS
+        self.wal_max_bytes = WAL_MAX_BYTES
+        #: a background checkpoint starts when the WAL holds this much, or commits paused this long
+        self.checkpoint_bytes = CHECKPOINT_BYTES
+        self.checkpoint_commits = CHECKPOINT_COMMITS
+        self.checkpoint_delay = CHECKPOINT_DELAY
+        self._wal_bytes = 0
+        self._ckpt_lock = threading.Lock()
+        self._ckpt_wake = threading.Event()
+        self._ckpt_due: float | None = None
+        self._ckpt_thread: threading.Thread | None = None
 
     @property
     def embedding_dim(self) -> int:
@@ -264,7 +285,6 @@ class Committer:
             s.guard.check_rows(st, mark)  # rows of commits the log does not record: refused
             self._collect_aborted()
             cid = s.guard.next_id(st, mark)
-            s.log.append([{"op": "begin", "id": cid}])
             data = batch.to_arrow(s.embedding_dim, cid)
             for name, t in (extra or {}).items():
                 t = t.set_column(
@@ -272,29 +292,142 @@ class Committer:
                 )
                 data[name] = pa.concat_tables([data[name], t]) if name in data else t
             data.update(batch.vector_tables(cid))
-            rows = 0
             written = [name for name in (*DATA_TABLES, *batch.vectors) if name in data and data[name].num_rows]
-            for name in written:
-                s.tables.append(name, data[name])
-                rows += data[name].num_rows
-            s.log.append([{"op": "commit", "id": cid, "time": time.time(), "writer": self._writer_name,
-                           "session": batch.session_id, "message": message, "rows": rows}])
-            batch.commit_id = cid  # the commit point: from here on, a failure must not make a retry write it again
-            s.log.refresh()
+            rows = sum(data[name].num_rows for name in written)
+            record = {"op": "commit", "id": cid, "time": time.time(), "writer": self._writer_name,
+                      "session": batch.session_id, "message": message, "rows": rows}
+            small = rows <= self.wal_max_rows and sum(data[n].nbytes for n in written) <= self.wal_max_bytes
+            if small:
+                # the commit point: one fsynced frame in the WAL; Lance gets the rows at a checkpoint
+                s.log.append_frame(record, {n: data[n] for n in written})
+                batch.commit_id = cid
+                self._wal_bytes += sum(data[n].nbytes for n in written)
+            else:
+                # a big commit goes to Lance itself; the WAL's commits (lower ids) go first
+                self._checkpoint_locked()
+                s.log.append([{"op": "begin", "id": cid}])
+                for name in written:
+                    s.tables.append(name, data[name])
+                s.log.append([record])
+                batch.commit_id = cid  # the commit point: from here on, a failure must not make a retry write it again
+                s.log.refresh()
+                self._compact(written)
+                self.after_commit(data)
             self._known_nodes.update(batch.nodes)
             self._known_hashes.update(batch.hashes)
-            if self.auto_compact:
-                busy = self.indexing()  # compacting these would preempt their index build
-                for name in written:
-                    if name in busy:
-                        continue
-                    # best effort: an index build committing at the same moment can make Lance refuse
-                    # the rewrite; the next commit compacts instead
-                    with contextlib.suppress(OSError, RuntimeError, ValueError):
-                        s.tables.compact_tiered(name, self.compact_fragments)
-                self._maybe_cleanup()
-        self.after_commit(data)
+        if small:
+            self._after_wal_commit()
         return cid
+
+    def _compact(self, written: Sequence[str]) -> None:
+        """Size-tiered compaction of the tables a Lance append touched (writer lock held)."""
+        if not self.auto_compact:
+            return
+        busy = self.indexing()  # compacting these would preempt their index build
+        for name in written:
+            if name in busy:
+                continue
+            # best effort: an index build committing at the same moment can make Lance refuse
+            # the rewrite; the next commit compacts instead
+            with contextlib.suppress(OSError, RuntimeError, ValueError):
+                self.store.tables.compact_tiered(name, self.compact_fragments)
+        self._maybe_cleanup()
+
+    # ------------------------------------------------------- checkpoints
+    def _after_wal_commit(self) -> None:
+        """Checkpoint in the background when the WAL is big, or once commits pause."""
+        if self._wal_bytes >= self.checkpoint_bytes or len(self.store.log.state.wal.frames) >= self.checkpoint_commits:
+            self._start_checkpoint(0.0)
+        else:
+            self._start_checkpoint(self.checkpoint_delay)
+
+    def _start_checkpoint(self, delay: float) -> None:
+        with self._ckpt_lock:
+            self._ckpt_due = time.monotonic() + delay
+            if self._ckpt_thread is None or not self._ckpt_thread.is_alive():
+                self._ckpt_thread = threading.Thread(target=self._checkpoint_loop, name="trellisdb-checkpoint",
+                                                     daemon=True)
+                self._ckpt_thread.start()
+            self._ckpt_wake.set()
+
+    def _checkpoint_loop(self) -> None:
+        while not self.closed:
+            with self._ckpt_lock:
+                due = self._ckpt_due
+                self._ckpt_wake.clear()
+                if due is None:
+                    self._ckpt_thread = None
+                    return
+            wait = due - time.monotonic()
+            if wait > 0:
+                self._ckpt_wake.wait(wait)
+                continue
+            with self._ckpt_lock:
+                if self._ckpt_due != due:
+                    continue  # moved meanwhile
+                self._ckpt_due = None
+            try:
+                self.checkpoint()
+            except Exception as e:  # the WAL keeps the commits; the next checkpoint tries again
+                log.warning("a checkpoint failed (the commits stay in the WAL, retried later): %s", e)
+                with self._ckpt_lock:
+                    self._ckpt_due = time.monotonic() + RETRY_MAX_DELAY
+
+    def checkpoint(self, upto: int | None = None) -> int:
+        """Move the WAL's commits (those up to ``upto``; default all) into Lance; return how many
+        commits moved. Readers see the same rows before and after."""
+        s = self.store
+        if s.read_only:
+            return 0
+        st = s.log.state
+        if not st.wal.frames or (upto is not None and st.wal.upto >= upto):
+            return 0
+        with s.lock.held():
+            s.log.repair_tail()
+            return self._checkpoint_locked()
+
+    def _checkpoint_locked(self) -> int:
+        """Checkpoint (writer lock held, log refreshed): append every WAL commit's rows to Lance,
+        one append per table, then their commit records and a ``checkpoint`` record naming the
+        next WAL segment to the commit log (one fsync), then delete the old segment.
+
+        A crash before the ``checkpoint`` record leaves rows of WAL commits in Lance that no
+        commit-log record covers: readers ignore Lance rows above ``lance_upto``, and the next
+        checkpoint deletes them first (its ``checkpoint-begin`` record says they may exist)."""
+        s = self.store
+        st = s.log.refresh()
+        view = st.wal
+        if not view.frames:
+            self._remove_old_segments()
+            return 0
+        upto = view.frames[-1].id
+        if st.checkpoint_begun > view.upto:  # an earlier checkpoint died half-way: its rows go first
+            for name in s.all_tables():
+                s.tables.delete(name, f"commit_id > {int(view.upto)}")
+        s.log.append([{"op": "checkpoint-begin", "upto": upto}])
+        data: dict[str, list[pa.Table]] = {}
+        for f in view.frames:
+            for name, t in f.tables().items():
+                data.setdefault(name, []).append(t)
+        merged = {name: pa.concat_tables(ts) for name, ts in data.items()}
+        written = [n for n in (*DATA_TABLES, *sorted(set(merged) - set(DATA_TABLES))) if n in merged]
+        for name in written:
+            s.tables.append(name, merged[name])
+        gen = st.wal_gen + 1
+        s.log.append([*({k: v for k, v in f.record.items() if k not in ("tables", "bytes", "pcrc")}
+                        for f in view.frames),
+                      {"op": "checkpoint", "upto": upto, "wal": gen}])
+        s.log.refresh()
+        self._wal_bytes = 0
+        self._remove_old_segments()
+        self._compact(written)
+        self.after_commit(merged)
+        return len(view.frames)
+
+    def _remove_old_segments(self) -> None:
+        for path in self.store.log.wal_segments():
+            with contextlib.suppress(OSError):
+                os.remove(path)
 
     def _maybe_cleanup(self) -> None:
         """Start a background cleanup of old physical versions, at most once per
@@ -339,6 +472,8 @@ class Committer:
         self.flush()
         s = self.store
         with s.lock.held():
+            s.log.repair_tail()
+            self._checkpoint_locked()
             out = {name: s.tables.compact(name) for name in s.all_tables()}
         for name in s.all_tables():
             s.tables.cleanup(name, prune_older_than)
@@ -501,10 +636,20 @@ class Committer:
 
     # --------------------------------------------------------------- close
     def close(self) -> None:
-        """Flush pending writes; wait for a background cleanup to stop."""
+        """Flush pending writes and checkpoint the WAL; wait for background work to stop."""
         if self.closed:
             return
         self.flush()
+        try:
+            self.checkpoint()
+        except Exception as e:  # the commits are durable in the WAL; the next writer checkpoints them
+            log.warning("the checkpoint at close failed (the commits stay in the WAL): %s", e)
         self.closed = True
+        with self._ckpt_lock:
+            self._ckpt_due = None
+            self._ckpt_wake.set()
+            t = self._ckpt_thread
+        if t is not None:
+            t.join()
         if self._cleanup_thread is not None:
             self._cleanup_thread.join()

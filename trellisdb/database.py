@@ -171,6 +171,7 @@ class Database:
         self._committer = Committer(self._store, self._reads, commit_delay=commit_delay,
                                     max_batch_rows=max_batch_rows, auto_compact=auto_compact,
                                     compact_fragments=compact_fragments)
+        self._reads.checkpoint = self._committer.checkpoint
         self._vectors = Vectors(self._store, self._reads, self._committer, auto_index=auto_index)
         self._committer.indexing = self._vectors.indexing
         self._committer.after_commit = self._vectors.after_commit

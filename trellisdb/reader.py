@@ -33,6 +33,7 @@ from trellisdb.names import utf8_problem
 from trellisdb.schema import COMMITS_SCHEMA, DATA_TABLES, KEYS
 from trellisdb.storage.log import LogState
 from trellisdb.storage.tables import LanceTables
+from trellisdb.storage.wal import WalView
 
 DUCKDB_CONFIG: dict[str, str | bool | int | float | list[str]] = {
     "autoinstall_known_extensions": False,
@@ -151,9 +152,13 @@ def gathered(
         yield pa.Table.from_batches(held)
 
 
+#: The last commit whose rows Lance holds (``LogState.lance_upto``): a connection variable.
+LANCE_UPTO = "getvariable('trellis_lance_upto')"
+
+
 def _narrow(name: str) -> str:
     wide = WIDE.get(name)
-    return f"SELECT * EXCLUDE ({', '.join(wide)}) FROM __lance_{name}" if wide else f"SELECT * FROM __lance_{name}"
+    return f"SELECT * EXCLUDE ({', '.join(wide)}) FROM __src_{name}" if wide else f"SELECT * FROM __src_{name}"
 
 
 def _visible(snapshot: int, aborted: list[int], table: str = "") -> str:
@@ -276,6 +281,7 @@ class SqlEngine:
         Only the views of ``tables`` are guaranteed current: an internal
         lookup that reads one table refreshes only that table's mirror."""
         con = self._con()
+        wal = state.wal  # before the checkouts: Lance holds every row of the commits up to wal.upto
         aborted = state.aborted(below=snapshot)
         registered: dict[str, int] = getattr(self._local, "registered", {})
         # Re-read the Lance manifests only when the log moved (new rows may
@@ -284,7 +290,7 @@ class SqlEngine:
         # exactly the committed rows and re-reading costs a manifest per table.
         # The key changes whenever a commit or collection record appears (a
         # begin alone does not: its rows stay invisible until its commit).
-        log_key = (len(state.commits), len(state.collected))
+        log_key = (len(state.commits), len(state.collected), wal.upto)
         now = time.monotonic()
         stale = getattr(self._local, "log_key", None) != log_key or now - getattr(self._local, "refreshed", 0.0) > REFRESH_EVERY
         if stale:
@@ -296,11 +302,23 @@ class SqlEngine:
                 con.register(f"__lance_{name}", ds)
                 registered[name] = id(ds)
         self._local.registered = registered
+        if getattr(self._local, "wal", None) is not wal:
+            # the WAL's rows: Arrow tables next to Lance's, read through the views __src_T
+            for name in DATA_TABLES:
+                con.register(f"__wal_{name}", wal.table(name, self._tables.dataset(name, refresh=False).schema))
+            if getattr(self._local, "lance_upto", None) != wal.upto:
+                con.execute(f"SET VARIABLE trellis_lance_upto = {int(wal.upto)}")
+                self._local.lance_upto = wal.upto
+            if getattr(self._local, "wal", None) is None:
+                for name in DATA_TABLES:
+                    con.execute(f"CREATE OR REPLACE TEMP VIEW __src_{name} AS SELECT * FROM __lance_{name} "
+                                f"WHERE commit_id <= {LANCE_UPTO} UNION ALL SELECT * FROM __wal_{name}")
+            self._local.wal = wal
         top = self._top()  # after the checkouts: no row in them has a higher id
         with self._lock:
             if len(self._upto) < len(DATA_TABLES):  # the views need every mirror table to exist
                 tables = DATA_TABLES
-            self._refresh(con, snapshot, aborted, top, tables)
+            self._refresh(con, snapshot, aborted, top, tables, wal)
             broken = frozenset(self._broken)
             # tables where some version is superseded (at any commit: the join filters by the snapshot):
             # only their views need the anti-join, and the views stay as they are when queries move
@@ -361,7 +379,7 @@ class SqlEngine:
 
     def _refresh(
         self, con: duckdb.DuckDBPyConnection, snapshot: int, aborted: list[int], top: int,
-        tables: Sequence[str] = DATA_TABLES,
+        tables: Sequence[str], wal: WalView,
     ) -> None:
         """Extend the mirror and ``__sup_T`` (superseded row versions) to ``snapshot``.
 
@@ -399,7 +417,8 @@ class SqlEngine:
                 mark = self._mark.get(name, -1)
                 new = [f for f in frags if f.fragment_id > mark]
                 mark = max((f.fragment_id for f in frags), default=mark)
-                if not new and done is not None:  # nothing was written to this table: no SQL at all
+                if not new and done is not None and not wal.touches(name, done, snapshot):
+                    # nothing was written to this table: no SQL at all
                     self._advance(name, snapshot, top, mark, False)
                     continue
             todo.append((name, done, new, mark))
@@ -413,7 +432,7 @@ class SqlEngine:
         try:
             con.execute("BEGIN")
             outcomes: list[bool | None] = [
-                self._refresh_table(con, name, done, new, snapshot, aborted) for name, done, new, _ in todo]
+                self._refresh_table(con, name, done, new, snapshot, aborted, wal) for name, done, new, _ in todo]
             con.execute("COMMIT")
         except (duckdb.Error, OSError, ValueError, RuntimeError):
             con.execute("ROLLBACK")
@@ -421,7 +440,7 @@ class SqlEngine:
             for name, done, new, _mark in todo:
                 try:
                     con.execute("BEGIN")
-                    outcomes.append(self._refresh_table(con, name, done, new, snapshot, aborted))
+                    outcomes.append(self._refresh_table(con, name, done, new, snapshot, aborted, wal))
                     con.execute("COMMIT")
                 except (duckdb.Error, OSError, ValueError, RuntimeError):
                     con.execute("ROLLBACK")
@@ -458,7 +477,7 @@ class SqlEngine:
 
     def _refresh_table(
         self, con: duckdb.DuckDBPyConnection, name: str, done: int | None, new: list[Any], snapshot: int,
-        aborted: list[int],
+        aborted: list[int], wal: WalView,
     ) -> bool:
         """Mirror the new rows of ``name`` and extend ``__sup_<name>``; returns
         whether any version was found superseded."""
@@ -472,10 +491,10 @@ class SqlEngine:
                 f"SELECT {keys}, commit_id, commit_id AS by_commit FROM __lance_{name} LIMIT 0"
             )
             done = 0
-        copied = mirrored and self._mirror_new(con, name, new, done, snapshot, aborted)
+        copied = mirrored and self._mirror_new(con, name, new, done, snapshot, aborted, wal)
         if mirrored and not copied:
             return False  # no new rows: nothing superseded either
-        source = f"__mir_{name}" if mirrored else f"__lance_{name}"
+        source = f"__mir_{name}" if mirrored else f"__src_{name}"
         row = con.execute(_superseded_since(name, source, done, snapshot, aborted)).fetchone()
         return bool(row and row[0])
 
@@ -485,12 +504,21 @@ class SqlEngine:
         return bool(rows[0][0])
 
     def _mirror_new(
-        self, con: duckdb.DuckDBPyConnection, name: str, new: list[Any], done: int, snapshot: int, aborted: list[int]
+        self, con: duckdb.DuckDBPyConnection, name: str, new: list[Any], done: int, snapshot: int, aborted: list[int],
+        wal: WalView,
     ) -> bool:
         """Copy the rows of commits in ``(done, snapshot]`` held by fragments
-        ``new`` (those above the watermark) into the mirror; True if any."""
-        if not new:
-            return False
+        ``new`` (those above the watermark; rows up to ``wal.upto``) and by the WAL into the
+        mirror; True if any."""
+        added = 0
+        if wal.touches(name, done, snapshot):
+            order = f" ORDER BY {CLUSTER[name]}" if name in CLUSTER else ""
+            row = con.execute(f"INSERT INTO __mir_{name} {_narrow(name).replace('__src_', '__wal_')} "
+                              f"WHERE commit_id > {int(done)} AND commit_id <= {int(snapshot)}{order}").fetchone()
+            added += int(row[0]) if row and row[0] else 0
+        if not new or done >= wal.upto:
+            return added > 0
+        snapshot_lance = min(snapshot, wal.upto)
         ds = self._tables.dataset(name, refresh=False)
         cols = [f.name for f in ds.schema if f.name not in WIDE.get(name, ())]
         rows: pa.Table | pa.RecordBatchReader
@@ -499,17 +527,16 @@ class SqlEngine:
             rows = pa.concat_tables([f.to_table(columns=cols) for f in new])
         else:  # the first copy, or a compaction's output: stream, filtered in Lance
             rows = ds.scanner(
-                columns=cols, fragments=new, filter=f"commit_id > {int(done)} AND commit_id <= {int(snapshot)}"
+                columns=cols, fragments=new, filter=f"commit_id > {int(done)} AND commit_id <= {int(snapshot_lance)}"
             ).to_reader()
         insert = f"INSERT INTO __mir_{name} SELECT * FROM __new_rows WHERE commit_id > {int(done)} AND " \
-            f"{_visible(snapshot, aborted)}"
+            f"{_visible(snapshot_lance, aborted)}"
         parts: Iterable[pa.Table | pa.RecordBatchReader] = [rows]
         if name in CLUSTER:
             # sorted a part at a time: what the sort holds besides the mirror stays bounded
             insert += f" ORDER BY {CLUSTER[name]}"
             if isinstance(rows, pa.RecordBatchReader):
                 parts = gathered(rows, CLUSTER_ROWS)
-        added = 0
         for part in parts:
             con.register("__new_rows", part)
             try:
@@ -527,7 +554,7 @@ class SqlEngine:
             visible += f" AND commit_id NOT IN ({', '.join(str(int(i)) for i in aborted)})"
         for name in DATA_TABLES:
             on = " AND ".join(f"h.{k} = s.{k}" for k in (*KEYS[name], "commit_id"))
-            full = f"SELECT * FROM __lance_{name} WHERE {visible}"
+            full = f"SELECT * FROM __src_{name} WHERE {visible}"
             if name in self.mirrored and name not in broken:  # aborted rows never enter the mirror
                 narrow = f"SELECT * FROM __mir_{name} WHERE commit_id <= {SNAPSHOT}"
             else:

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import re
 import threading
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
@@ -52,12 +52,19 @@ def tables_named(text: str) -> tuple[str, ...]:
     return tuple(dict.fromkeys(m.group(1) for m in _TABLE_NAMES.finditer(text)))
 
 
+def _no_checkpoint(upto: int) -> None:
+    return None
+
+
 class Reads:
     """Snapshots of one open store, and the catalog caches they share."""
 
     def __init__(self, store: Store) -> None:
         #: the open folder the snapshots read
         self.store = store
+        #: moves the WAL's commits up to a given id into Lance (set by the facade to the
+        #: committer's ``checkpoint``; a read-only handle leaves them where they are)
+        self.checkpoint: Callable[[int], object] = _no_checkpoint
         self._names: dict[tuple[str, str], tuple[set[str], int]] = {}
         self._names_lock = threading.Lock()
 
@@ -156,6 +163,7 @@ class Snapshot:
         with_row_address: bool = False,
     ) -> Iterator[pa.RecordBatch]:
         """Every visible version of ``table``'s rows, ``columns`` only, streamed from Lance."""
+        self._reads.checkpoint(self.commit)
         return self._store.engine.scan(self.state, self.commit, table, columns, batch_rows=batch_rows, where=where,
                                        with_row_address=with_row_address)
 
@@ -166,7 +174,9 @@ class Snapshot:
 
     def dataset(self, table: str) -> lance.LanceDataset:
         """The Lance dataset of ``table`` (latest version): for vector and keyword search, and
-        reads by row address. Rows above the snapshot are filtered by the caller (``aborted``)."""
+        reads by row address. Rows above the snapshot are filtered by the caller (``aborted``).
+        The snapshot's commits still in the WAL are checkpointed into Lance first."""
+        self._reads.checkpoint(self.commit)
         return self._store.tables.dataset(table)
 
     def aborted(self) -> list[int]:

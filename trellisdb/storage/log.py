@@ -7,6 +7,13 @@ and visible exactly when its ``commit`` record is on disk (fsynced). Records::
     {"op": "commit", "id": N, "time": ...}   N is committed (the commit point)
     {"op": "tag", "name": "x", "id": N}      tag x names commit N
     {"op": "collected", "ids": [...]}        rows of aborted commits deleted
+    {"op": "checkpoint-begin", "upto": N}     WAL commits up to N being appended to Lance
+    {"op": "checkpoint", "upto": N, "wal": G} they are: their commit records precede this one;
+                                             new small commits go to WAL segment G
+
+Small commits are not in this file until a checkpoint: they are frames of the write-ahead
+log (``wal.py``), read after this file; ``LogState`` holds both (``wal``: the commits whose
+rows are still in the WAL).
 
 Each line is ``<json>\\t<crc32 hex>\\n``. A torn last line (a crash mid-append)
 is ignored by readers and cut off by the next writer; a bad line in the middle
@@ -42,6 +49,7 @@ from typing import Any, BinaryIO
 
 from trellisdb.errors import CorruptionError, TrellisWarning
 from trellisdb.names import name_problem
+from trellisdb.storage.wal import Frame, Segment, WalView, segment_name
 
 
 def _encode(record: dict[str, Any]) -> bytes:
@@ -128,13 +136,17 @@ def read_hwm(path: str) -> HighWaterMark | None:
     return None
 
 
-def write_hwm(path: str, mark: HighWaterMark) -> None:
-    """Rewrite the mark in place, durably (one fixed-size write and an fdatasync)."""
+def write_hwm(path: str, mark: HighWaterMark, sync: bool = True) -> None:
+    """Rewrite the mark in place (one fixed-size write), durably unless ``sync`` is off.
+
+    The mark is written only after what it names is durable, so an unsynced mark that a power
+    loss takes back only lags (a weaker witness), it never claims more than the log holds."""
     created = not os.path.exists(path)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
     try:
         os.pwrite(fd, mark.encode(), 0)
-        getattr(os, "fdatasync", os.fsync)(fd)
+        if sync or created:
+            getattr(os, "fdatasync", os.fsync)(fd)
     finally:
         os.close(fd)
     if created:
@@ -168,6 +180,14 @@ class LogState:
     problems: list[tuple[int, str]] = field(default_factory=list)
     #: byte offset of the first damaged/torn byte at the end, if any
     torn_at: int | None = None
+    #: the last commit this file records: Lance holds the rows of every commit up to it
+    lance_upto: int = 0
+    #: the WAL segment new small commits go to
+    wal_gen: int = 1
+    #: the ``upto`` of the last checkpoint begun (a crash may have left its rows in Lance)
+    checkpoint_begun: int = 0
+    #: the commits above ``lance_upto`` whose rows are in the WAL
+    wal: WalView = field(default_factory=WalView)
 
     def aborted(self, below: int | None = None) -> list[int]:
         """Reserved ids that never committed and whose rows are not yet collected.
@@ -208,6 +228,12 @@ class CommitLog:
         # Threads of one process share the state; two refreshing at once
         # would both apply the same bytes and move the offset twice.
         self._refreshing = threading.Lock()
+        #: the WAL segment being read, and the frames read from it above ``lance_upto``
+        self._segment = Segment(self.wal_path(1))
+        self._frames: list[Frame] = []
+
+    def wal_path(self, gen: int) -> str:
+        return os.path.join(os.path.dirname(self.path), segment_name(gen))
 
     @property
     def state(self) -> LogState:
@@ -230,6 +256,8 @@ class CommitLog:
             self._offset = self._lineno = self._size = 0
             self._identity = None
             self._last_line = (0, b"")
+            self._segment = Segment(self.wal_path(1))
+            self._frames = []
             return self._refresh()
 
     def _refresh(self) -> LogState:
@@ -244,6 +272,7 @@ class CommitLog:
         self._size = self._offset + len(data)
         if not data:
             self._state.torn_at = None  # a torn tail read before has been cut since
+            self._refresh_wal()
             return self._state
         st = self._state
         pos = 0
@@ -269,7 +298,33 @@ class CommitLog:
             start = data.rfind(b"\n", 0, pos - 1) + 1
             self._last_line = (self._offset + start, data[start:pos])
         self._offset += pos
+        self._refresh_wal()
         return st
+
+    def _refresh_wal(self) -> None:
+        """Read the frames appended to the current WAL segment since the last read."""
+        st = self._state
+        if segment_name(st.wal_gen) != os.path.basename(self._segment.path):
+            self._segment = Segment(self.wal_path(st.wal_gen))  # a checkpoint started a new segment
+        new = self._segment.read()
+        for f in new:
+            self._apply_frame(f)
+        st.problems.extend(p for p in self._segment.problems if p not in st.problems)
+        self._publish(bool(new))
+
+    def _apply_frame(self, f: Frame) -> None:
+        st = self._state
+        st.commits[f.id] = f.record
+        st.open_ids.discard(f.id)
+        st.max_id = max(st.max_id, f.id)
+        st.last_committed = max(st.last_committed, f.id)
+        self._frames.append(f)
+
+    def _publish(self, changed: bool) -> None:
+        st = self._state
+        if changed or self._frames and self._frames[0].id <= st.lance_upto or st.wal.upto != st.lance_upto:
+            self._frames = [f for f in self._frames if f.id > st.lance_upto]
+            st.wal = WalView(st.lance_upto, tuple(self._frames))
 
     def _apply(self, rec: dict[str, Any]) -> None:
         st = self._state
@@ -285,6 +340,11 @@ class CommitLog:
             st.open_ids.discard(cid)
             st.max_id = max(st.max_id, cid)
             st.last_committed = max(st.last_committed, cid)
+            st.lance_upto = max(st.lance_upto, cid)
+        elif op == "checkpoint-begin":
+            st.checkpoint_begun = max(st.checkpoint_begun, int(rec["upto"]))
+        elif op == "checkpoint":
+            st.wal_gen = max(st.wal_gen, int(rec["wal"]))
         elif op == "tag":
             name = str(rec["name"])
             st.tags.pop(name, None)
@@ -368,7 +428,30 @@ class CommitLog:
                 os.fsync(fh.fileno())
             st.torn_at = None
             self._size = self._offset
+        self._segment.cut_torn_tail()
         return mark
+
+    def append_frame(self, record: dict[str, Any], tables: Mapping[str, Any]) -> None:
+        """Commit a small commit: one frame (its record and rows) appended to the WAL and
+        fsynced, then the mark, unsynced (writer lock held, after ``repair_tail``)."""
+        with self._refreshing:
+            f = self._segment.append(record, tables)
+            self._apply_frame(f)
+            self._publish(True)
+            st = self._state
+            try:
+                write_hwm(self.hwm_path, HighWaterMark(f.id, float(record["time"]), st.max_id, self._offset),
+                          sync=False)
+            except OSError as e:
+                warnings.warn(TrellisWarning(f"could not update {self.hwm_path} ({e}); the commit is durable, "
+                                             "but its witness is stale"), stacklevel=3)
+
+    def wal_segments(self) -> list[str]:
+        """Paths of WAL segments other than the current one (left by checkpoints; deletable)."""
+        folder = os.path.dirname(self.path)
+        cur = segment_name(self._state.wal_gen)
+        return [os.path.join(folder, n) for n in sorted(os.listdir(folder))
+                if n.startswith("wal-") and n.endswith(".log") and n != cur]
 
     def rewrite(self, keep: int, records: list[dict[str, Any]]) -> LogState:
         """Keep the whole, intact lines of the first ``keep`` bytes of the log, then ``records``
