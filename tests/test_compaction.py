@@ -50,6 +50,7 @@ def test_many_small_commits_stay_compacted_and_time_travel_survives_cleanup(tmp_
 def test_auto_compact_off_leaves_fragments(tmp_path: Path) -> None:
     p = tmp_path / "db"
     db = trellisdb.connect(p, embedding_dim=4, auto_compact=False)
+    db._committer.wal_max_rows = 0  # each commit appends to Lance (as big ones do)
     s = db.session(task="t", agent="a")
     for i in range(20):
         s.add_node(summary=str(i))

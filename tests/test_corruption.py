@@ -11,6 +11,7 @@ import trellisdb
 
 def _populate(path: Path) -> trellisdb.Database:
     db = trellisdb.connect(path, embedding_dim=4, auto_compact=False)
+    db._committer.wal_max_rows = 0  # one Lance fragment per commit, as without the WAL
     for i in range(3):
         with db.session(task="t", agent="a") as s:
             n = s.add_node(id=f"n{i}", summary=f"node {i}", artifacts={"code": f"x = {i}"})

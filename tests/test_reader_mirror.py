@@ -47,10 +47,12 @@ def test_mirror_equals_lance_at_every_commit(tmp_path: Path, monkeypatch: pytest
         real_append(name, data)
 
     monkeypatch.setattr(db._store.tables, "append", failing)
+    db._committer.wal_max_rows = 0  # a commit written to Lance directly, as big ones are
     with pytest.raises(trellisdb.CommitError, match="disk full"), db.transaction():
         w.add_node(id="ghost", parents=["a"])
         w.add_reward("ghost", "score", 9.0)
     monkeypatch.setattr(db._store.tables, "append", real_append)
+    db._committer.wal_max_rows = 4096
     w.set_status("a", "expanded")
     w.add_reward("b", "score", 0.75)  # supersedes the earlier value
     w.close()
@@ -109,6 +111,7 @@ def test_rows_a_reader_saw_in_flight_are_mirrored_once_committed(tmp_path: Path,
     holding rows of a commit above its snapshot; it must neither show them
     nor skip those fragments after the commit lands."""
     db = trellisdb.connect(tmp_path / "db", embedding_dim=4)
+    db._committer.wal_max_rows = 0  # commits written to Lance directly, as big ones are
     reader = trellisdb.connect(tmp_path / "db")
     w = db.session(id="s", task="t")
     w.add_node(id="a")

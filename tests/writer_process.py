@@ -19,6 +19,8 @@ def main() -> None:
 
     path, ack_path, tag, n_commits = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
     db = trellisdb.connect(path, embedding_dim=4, compact_fragments=8)
+    # checkpoint the WAL often, so that kills land inside checkpoints too
+    db._committer.checkpoint_commits = int(os.environ.get("TRELLIS_TEST_CHECKPOINT_COMMITS", "25"))
     with db.transaction():
         s = db.session(task="crash-task", agent=f"writer-{tag}")
     print("ready", flush=True)

@@ -296,7 +296,7 @@ class Committer:
             rows = sum(data[name].num_rows for name in written)
             record = {"op": "commit", "id": cid, "time": time.time(), "writer": self._writer_name,
                       "session": batch.session_id, "message": message, "rows": rows}
-            small = rows <= self.wal_max_rows and sum(data[n].nbytes for n in written) <= self.wal_max_bytes
+            small = not extra and rows <= self.wal_max_rows and sum(data[n].nbytes for n in written) <= self.wal_max_bytes
             if small:
                 # the commit point: one fsynced frame in the WAL; Lance gets the rows at a checkpoint
                 s.log.append_frame(record, {n: data[n] for n in written})

@@ -12,6 +12,7 @@ import pytest
 
 import trellisdb
 from trellisdb.storage.tables import LanceTables
+from trellisdb.storage.wal import Segment
 
 
 @pytest.fixture
@@ -41,18 +42,25 @@ def test_a_bad_session_id_is_refused_at_the_call_and_loses_no_one_elses_writes(d
 
 
 class _Disk:
-    """Lance appends that fail while ``full`` is set, as on a full disk."""
+    """Lance and WAL appends that fail while ``full`` is set, as on a full disk."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.full = False
         real = LanceTables.append
+        real_frame = Segment.append
 
         def append(tables: LanceTables, name: str, data: Any) -> Any:
             if self.full:
                 raise OSError(28, "No space left on device")
             return real(tables, name, data)
 
+        def append_frame(seg: Segment, record: Any, tables: Any) -> Any:
+            if self.full:
+                raise OSError(28, "No space left on device")
+            return real_frame(seg, record, tables)
+
         monkeypatch.setattr(LanceTables, "append", append)
+        monkeypatch.setattr(Segment, "append", append_frame)
 
 
 def test_a_failed_group_commit_keeps_the_writes_and_tells_each_writer(
@@ -60,6 +68,7 @@ def test_a_failed_group_commit_keeps_the_writes_and_tells_each_writer(
 ) -> None:
     a = db.session(task="t", agent="a", id="a")
     b = db.session(task="t", agent="b", id="b")
+    c = db.session(task="t", agent="c", id="c")
     db.flush()
     disk = _Disk(monkeypatch)
     disk.full = True
@@ -72,8 +81,7 @@ def test_a_failed_group_commit_keeps_the_writes_and_tells_each_writer(
     a.add_node(id="a2")  # the next call goes through (it is pending with the rest)
     with pytest.raises(trellisdb.CommitError, match="session 'b'"):
         b.add_reward("b1", "other", 1.0)
-    c = db.session(task="t", agent="c", id="c")  # held no write in the failed batch: not bothered
-    c.add_node(id="c1")
+    c.add_node(id="c1")  # held no write in the failed batch: not bothered
     with pytest.raises(trellisdb.CommitError, match="No space left"):
         db.flush()
     disk.full = False

@@ -322,7 +322,7 @@ class CommitLog:
 
     def _publish(self, changed: bool) -> None:
         st = self._state
-        if changed or self._frames and self._frames[0].id <= st.lance_upto or st.wal.upto != st.lance_upto:
+        if changed or (self._frames and self._frames[0].id <= st.lance_upto) or st.wal.upto != st.lance_upto:
             self._frames = [f for f in self._frames if f.id > st.lance_upto]
             st.wal = WalView(st.lance_upto, tuple(self._frames))
 
@@ -445,6 +445,27 @@ class CommitLog:
             except OSError as e:
                 warnings.warn(TrellisWarning(f"could not update {self.hwm_path} ({e}); the commit is durable, "
                                              "but its witness is stale"), stacklevel=3)
+
+    def rewrite_wal(self, folder: str) -> int:
+        """Drop the damaged frames of the current WAL segment (writer lock held; a repair): copy
+        the segment to ``folder``, write its intact frames aside and rename them over it. Returns
+        how many damaged frames were dropped (their commits are lost)."""
+        seg = Segment(self.wal_path(self._state.wal_gen))
+        frames = seg.read()
+        if not seg.problems:
+            return 0
+        with open(seg.path, "rb") as fh:
+            before = fh.read()
+        name = os.path.basename(seg.path)
+        for path, data in ((os.path.join(folder, name), before),
+                           (seg.path + ".repair", b"".join(f.raw() for f in frames))):
+            with open(path, "wb") as fh:
+                fh.write(data)
+                fh.flush()
+                os.fsync(fh.fileno())
+        os.replace(seg.path + ".repair", seg.path)
+        sync_dir(os.path.dirname(seg.path))
+        return len(seg.problems)
 
     def wal_segments(self) -> list[str]:
         """Paths of WAL segments other than the current one (left by checkpoints; deletable)."""

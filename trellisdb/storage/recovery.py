@@ -233,6 +233,7 @@ class LogGuard:
             removed        [{id, rows, tables}] rows of unacknowledged (or aborted) commits, moved to lost+found
             unrecoverable  acknowledged ids with neither a record nor rows left
             tail_bytes     bytes of damaged log tail cut
+            wal_frames_dropped  damaged frames dropped from the WAL (their commits are lost)
             damaged_lines  damaged lines dropped from the middle of the log
             lost_found     the folder holding the copies: the log as it was, the rows removed, this report
             last_commit    the last commit after the repair
@@ -255,7 +256,7 @@ class LogGuard:
         report: dict[str, Any] = {
             "damage": [msg for _, msg in st.problems] + ([lost] if lost else []), "recovered": [], "removed": [],
             "unrecoverable": unrecoverable, "tail_bytes": 0, "damaged_lines": len(st.problems), "lost_found": None,
-            "last_commit": st.last_committed, "notes": [],
+            "last_commit": st.last_committed, "notes": [], "wal_frames_dropped": 0,
         }
         if recover or remove:
             report["damage"].append(_stranded_message(log, self._tables, found, recover, remove, acknowledged))
@@ -272,6 +273,8 @@ class LogGuard:
         report["tail_bytes"] = len(before) - keep
         if remove or any(x in found for x in aborted):
             self._take_out(sorted({*remove, *aborted}), folder)
+        # the WAL's damaged frames (copied first): their commits are lost, the frames around them kept
+        report["wal_frames_dropped"] = log.rewrite_wal(folder)
         # 2. the log: its intact lines, then the recovered commits and the removed ids (never reused)
         records = self._records(st, mark, found, recover, sorted({*remove, *aborted, *unrecoverable, *vanished}))
         st = log.rewrite(keep, records)

@@ -17,9 +17,9 @@ acknowledged): readers stop before it, the next writer cuts it off. One in the m
 damage, reported like a damaged log line.
 
     >>> import tempfile, os
-    >>> seg = Segment(os.path.join(tempfile.mkdtemp(), "wal-00000001.log"))
-    >>> seg.append({"op": "commit", "id": 3, "time": 0.0}, {"tasks": pa.table({"id": ["t"]})})
-    >>> [(f.record["id"], f.tables()["tasks"].num_rows) for f in seg.read()]
+    >>> path = os.path.join(tempfile.mkdtemp(), "wal-00000001.log")
+    >>> _ = Segment(path).append({"op": "commit", "id": 3, "time": 0.0}, {"tasks": pa.table({"id": ["t"]})})
+    >>> [(f.id, f.tables()["tasks"].num_rows) for f in Segment(path).read()]
     [(3, 1)]
 """
 
@@ -82,6 +82,10 @@ class Frame:
             self.payload = b""
         return self._tables
 
+    def raw(self) -> bytes:
+        """The frame's bytes as read (a frame read from a file, rows not yet decoded)."""
+        return _header(self.record) + self.payload
+
     @classmethod
     def of(cls, record: dict[str, Any], tables: Mapping[str, pa.Table]) -> Frame:
         """A frame this process wrote: its tables as they were, nothing decoded."""
@@ -114,28 +118,39 @@ class Segment:
         self.torn_at = None
         while pos < len(data):
             nl = data.find(b"\n", pos)
-            if nl < 0:
+            if nl < 0:  # a header cut short: torn, or still being written
                 self.torn_at = self.offset + pos
                 break
             rec = _decode_header(data[pos:nl])
-            end = nl + 1 + (int(rec.get("bytes", 0)) if rec else 0)
-            if rec is None or end > len(data):
-                self.torn_at = self.offset + pos  # cut short: torn, or still being written
-                if rec is None and data.find(b"\n", nl + 1) >= 0 and end <= len(data):
-                    self.problems.append((self._count + 1, f"{self.path}: frame {self._count + 1} fails its checksum"))
+            if rec is None:
+                if nl + 1 == len(data):  # a damaged last line, nothing after it: a torn append
+                    self.torn_at = self.offset + pos
+                else:  # where its rows end is unknown: nothing after it can be read
+                    self._problem(f"frame {self._count + 1}'s commit record fails its checksum; the frames "
+                                  "after it cannot be read")
                 break
-            payload = data[nl + 1 : end]
-            if zlib.crc32(payload) & 0xFFFFFFFF != int(rec.get("pcrc", -1)):
-                if end < len(data):
-                    self.problems.append((self._count + 1, f"{self.path}: frame {self._count + 1}'s rows fail "
-                                                           "their checksum"))
+            end = nl + 1 + int(rec.get("bytes", 0))
+            if end > len(data):  # rows cut short: torn, or still being written
                 self.torn_at = self.offset + pos
                 break
-            out.append(Frame(rec, payload))
+            payload = data[nl + 1 : end]
             self._count += 1
+            if zlib.crc32(payload) & 0xFFFFFFFF != int(rec.get("pcrc", -1)):
+                if end == len(data):
+                    self._count -= 1
+                    self.torn_at = self.offset + pos
+                    break
+                self._problem(f"frame {self._count} (commit {rec.get('id')})'s rows fail their checksum")
+            else:
+                out.append(Frame(rec, payload))
             pos = end
         self.offset += pos
         return out
+
+    def _problem(self, what: str) -> None:
+        msg = f"{self.path}: {what}"
+        if all(m != msg for _, m in self.problems):
+            self.problems.append((self._count, msg))
 
     def append(self, record: dict[str, Any], tables: Mapping[str, pa.Table]) -> Frame:
         """Append one frame durably (one write, one fsync; writer lock held, tail repaired)."""
@@ -154,8 +169,8 @@ class Segment:
         return Frame.of(rec, tables)
 
     def cut_torn_tail(self) -> None:
-        """Cut a torn frame off the end (writer lock held)."""
-        if self.torn_at is None:
+        """Cut a torn frame off the end (writer lock held; never in a damaged segment)."""
+        if self.torn_at is None or self.problems:
             return
         with open(self.path, "r+b") as fh:
             fh.truncate(self.torn_at)

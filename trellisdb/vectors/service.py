@@ -199,6 +199,7 @@ class Vectors:
         emb = self.embedder(sp)
         c = self._committer
         c.flush()
+        c.checkpoint()  # the space's table is read from Lance below
         from trellisdb.embed import check_vectors
 
         have = self._store.tables.dataset(sp.table).to_table(columns=["id"])
@@ -281,6 +282,7 @@ class Vectors:
         self._store.writable("build_index")
         sp = self._reads.space(space, target)
         self._committer.flush()
+        self._committer.checkpoint()  # the index is built over Lance's rows
         self.indexer.poke(sp, force="create")
         if wait:
             self.indexer.wait()
