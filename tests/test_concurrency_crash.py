@@ -93,31 +93,40 @@ def test_four_processes_write_concurrently(tmp_path: Path) -> None:
     assert db.verify() == []
 
 
+#: SIGKILLs of the crash test (two writers killed per round); TRELLIS_CRASH_KILLS=1000 for a long run
+KILLS = int(os.environ.get("TRELLIS_CRASH_KILLS", "200"))
+
+
+@pytest.mark.slow
 @pytest.mark.filterwarnings("error::trellisdb.errors.TrellisWarning")  # a crash is no damage: no false alarm
 def test_sigkill_at_random_moments_loses_nothing_acknowledged(tmp_path: Path) -> None:
     dbp = tmp_path / "db"
     trellisdb.connect(dbp, embedding_dim=4).close()
     rng = random.Random(1234)
     kills = 0
-    for round_no in range(50):
-        ack = tmp_path / f"ack{round_no}"
-        p = _spawn(dbp, ack, f"r{round_no}", 10_000)
-        assert p.stdout is not None
-        line = p.stdout.readline()
-        assert line.strip() == "ready", p.stderr.read() if p.stderr else line
+    rounds = KILLS // 2
+    from_wal = 0  # commits of killed writers that only the WAL held when the next handle opened
+    for round_no in range(rounds):
+        procs = [_spawn(dbp, tmp_path / f"ack{round_no}-{w}", f"r{round_no}w{w}", 10_000) for w in range(2)]
+        for p in procs:
+            assert p.stdout is not None
+            line = p.stdout.readline()
+            assert line.strip() == "ready", p.stderr.read() if p.stderr else line
         time.sleep(rng.uniform(0.0, 0.4))
-        os.kill(p.pid, signal.SIGKILL)
-        p.wait()
-        kills += 1
-        if round_no % 10 == 9 or round_no == 49:
+        for p in procs:
+            os.kill(p.pid, signal.SIGKILL)
+            p.wait()
+            kills += 1
+        if round_no % 10 == 9 or round_no == rounds - 1:
             db = trellisdb.connect(dbp)
+            from_wal += db._store.log.state.wal.n_frames
             present = set(db.sql("SELECT id FROM nodes").to_arrow().column("id").to_pylist())
-            for r in range(round_no + 1):
-                for cid, ids in _acked(tmp_path / f"ack{r}").items():
+            for ack in tmp_path.glob("ack*"):
+                for cid, ids in _acked(ack).items():
                     assert set(ids) <= present, f"acknowledged commit {cid} lost nodes"
             _check_whole(db)
             db.close()
-    assert kills == 50
+    assert kills == 2 * rounds
     # the database still accepts writes, and unfinished commits got collected
     db = trellisdb.connect(dbp)
     with db.transaction() as tx:
@@ -128,11 +137,12 @@ def test_sigkill_at_random_moments_loses_nothing_acknowledged(tmp_path: Path) ->
     st = db._store.log.refresh()
     uncollected = [i for i in st.begun if i not in st.commits and i not in st.collected]
     assert uncollected == []
-    # the kills did land inside commits at least once: between a direct commit's begin and its
-    # commit record (collected since), or after a commit was durable but before it was acknowledged
-    acked_ids = {cid for r in range(50) for cid in _acked(tmp_path / f"ack{r}")}
+    # the kills did land inside the write path: a direct commit's begin without its commit record
+    # (collected since), a commit durable but not acknowledged, or (nearly every kill) commits of the
+    # killed writer that only its WAL held, served and checkpointed by the next handle
+    acked_ids = {cid for ack in tmp_path.glob("ack*") for cid in _acked(ack)}
     unacked = [c for c in db.log() if c["message"] and " k=" in c["message"] and c["id"] not in acked_ids]
-    assert st.collected or unacked, "no kill interrupted a commit; the test did not exercise recovery"
+    assert st.collected or unacked or from_wal, "no kill interrupted a commit; the test did not exercise recovery"
     # no row anywhere (even physically) belongs to a commit that is not in the log
     for name in trellisdb.schema.DATA_TABLES:
         ds = lance.dataset(str(dbp / "tables" / f"{name}.lance"))

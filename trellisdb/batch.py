@@ -44,17 +44,24 @@ class Batch:
             out[name] = pa.Table.from_arrays(cols, schema=space_schema(mat.shape[1]))
         return out
 
-    def to_arrow(self, dim: int, commit_id: int) -> dict[str, pa.Table]:
-        out: dict[str, pa.Table] = {}
+    def latest_rows(self) -> dict[str, list[dict[str, Any]]]:
+        """The rows per table, the last write of each key only: two writes to one key in one
+        commit, the later wins (a commit is atomic, so the earlier was never visible)."""
+        out: dict[str, list[dict[str, Any]]] = {}
         for name, all_rows in self.rows.items():
             if not all_rows:
                 continue
-            # Two writes to one key in one commit: the later wins (a commit is
-            # atomic, so the earlier was never visible to anyone).
             latest = {tuple(r[k] for k in KEYS[name]): r for r in all_rows}
-            rows = list(latest.values()) if len(latest) < len(all_rows) else all_rows
-            sch = table_schema(name, dim)
-            cols = {f.name: [r.get(f.name) for r in rows] for f in sch if f.name != "commit_id"}
-            cols["commit_id"] = [commit_id] * len(rows)
-            out[name] = pa.Table.from_pydict(cols, schema=sch)
+            out[name] = list(latest.values()) if len(latest) < len(all_rows) else all_rows
         return out
+
+    def approx_bytes(self) -> int:
+        """About how many bytes the batch's rows take (artifact contents and vectors dominate)."""
+        n = sum(len(r.get("content") or b"") for r in self.rows["artifacts"])
+        n += sum(len(r) * 200 for r in self.rows.values())
+        return n + sum(int(m.nbytes) for c in self.vectors.values() for _, m in c)
+
+    def to_arrow(self, dim: int, commit_id: int) -> dict[str, pa.Table]:
+        return {name: pa.Table.from_pylist([{**r, "commit_id": commit_id} for r in rows],
+                                           schema=table_schema(name, dim))
+                for name, rows in self.latest_rows().items()}

@@ -45,10 +45,12 @@ from trellisdb.errors import (
     UnknownTagError,
     ValidationError,
 )
+from trellisdb.membership import Fingerprints
 from trellisdb.names import check_name, check_text, did_you_mean
 from trellisdb.schema import DATA_TABLES
 from trellisdb.snapshot import Reads
 from trellisdb.storage.tables import PRUNE_GRACE
+from trellisdb.storage.wal import rows_table
 from trellisdb.store import Store
 
 log = logging.getLogger("trellisdb")
@@ -66,6 +68,8 @@ CHECKPOINT_BYTES = 32 << 20
 CHECKPOINT_COMMITS = 2000
 #: ... or once no commit came for this many seconds.
 CHECKPOINT_DELAY = 1.0
+#: Artifact hashes confirmed stored, kept to answer repeated duplicates without a query.
+KNOWN_HASHES = 4096
 
 
 class Transaction:
@@ -126,7 +130,14 @@ class Committer:
         self._failure: _Failure | None = None
         self._retry_delay = 0.0
         self._known_nodes: set[str] = set()
+        #: artifact hashes confirmed stored (a bounded cache: duplicates recur)
         self._known_hashes: set[str] = set()
+        #: fingerprints of the stored artifacts, as of commit ``_fp_upto`` (-1: not loaded) and
+        #: this writer's commits above it
+        self._fingerprints = Fingerprints()
+        self._fp_upto = -1
+        self._fp_own: set[int] = set()
+        self._fp_lock = threading.Lock()
         self._last_cleanup = time.monotonic()
         self._cleanup_thread: threading.Thread | None = None
         self.closed = False
@@ -275,8 +286,8 @@ class Committer:
     def _commit(self, batch: Batch, message: str | None, extra: Mapping[str, pa.Table] | None = None) -> int:
         s = self.store
         with s.lock.held():
-            mark = s.log.repair_tail()  # refuses when the log lost acknowledged records
-            st = s.log.refresh()
+            mark = s.log.repair_tail()  # refuses when the log lost acknowledged records; reads the log
+            st = s.log.state
             if st.problems:
                 raise CorruptionError(
                     f"the commit log is damaged ({st.problems[0][1]}); writes are refused until "
@@ -285,36 +296,41 @@ class Committer:
             s.guard.check_rows(st, mark)  # rows of commits the log does not record: refused
             self._collect_aborted()
             cid = s.guard.next_id(st, mark)
-            data = batch.to_arrow(s.embedding_dim, cid)
-            for name, t in (extra or {}).items():
-                t = t.set_column(
-                    t.schema.get_field_index("commit_id"), "commit_id", pa.array([cid] * t.num_rows, pa.int64())
-                )
-                data[name] = pa.concat_tables([data[name], t]) if name in data else t
-            data.update(batch.vector_tables(cid))
-            written = [name for name in (*DATA_TABLES, *batch.vectors) if name in data and data[name].num_rows]
-            rows = sum(data[name].num_rows for name in written)
             record = {"op": "commit", "id": cid, "time": time.time(), "writer": self._writer_name,
-                      "session": batch.session_id, "message": message, "rows": rows}
-            small = not extra and rows <= self.wal_max_rows and sum(data[n].nbytes for n in written) <= self.wal_max_bytes
+                      "session": batch.session_id, "message": message}
+            latest = batch.latest_rows()
+            vectors = batch.vector_tables(cid)
+            rows = sum(len(r) for r in latest.values()) + sum(t.num_rows for t in vectors.values())
+            small = not extra and rows <= self.wal_max_rows and batch.approx_bytes() <= self.wal_max_bytes
             if small:
                 # the commit point: one fsynced frame in the WAL; Lance gets the rows at a checkpoint
-                s.log.append_frame(record, {n: data[n] for n in written})
+                s.log.append_frame({**record, "rows": rows}, latest, vectors)
                 batch.commit_id = cid
-                self._wal_bytes += sum(data[n].nbytes for n in written)
+                self._wal_bytes += batch.approx_bytes()
             else:
                 # a big commit goes to Lance itself; the WAL's commits (lower ids) go first
                 self._checkpoint_locked()
+                data = batch.to_arrow(s.embedding_dim, cid)
+                for name, t in (extra or {}).items():
+                    t = t.set_column(
+                        t.schema.get_field_index("commit_id"), "commit_id", pa.array([cid] * t.num_rows, pa.int64())
+                    )
+                    data[name] = pa.concat_tables([data[name], t]) if name in data else t
+                data.update(vectors)
+                written = [name for name in (*DATA_TABLES, *batch.vectors) if name in data and data[name].num_rows]
                 s.log.append([{"op": "begin", "id": cid}])
                 for name in written:
                     s.tables.append(name, data[name])
-                s.log.append([record])
+                s.log.append([{**record, "rows": sum(data[n].num_rows for n in written)}])
                 batch.commit_id = cid  # the commit point: from here on, a failure must not make a retry write it again
                 s.log.refresh()
                 self._compact(written)
                 self.after_commit(data)
             self._known_nodes.update(batch.nodes)
-            self._known_hashes.update(batch.hashes)
+            if self._fp_upto >= 0:
+                with self._fp_lock:
+                    self._fingerprints.add_hashes(batch.hashes)
+                    self._fp_own.add(cid)
         if small:
             self._after_wal_commit()
         return cid
@@ -336,7 +352,7 @@ class Committer:
     # ------------------------------------------------------- checkpoints
     def _after_wal_commit(self) -> None:
         """Checkpoint in the background when the WAL is big, or once commits pause."""
-        if self._wal_bytes >= self.checkpoint_bytes or len(self.store.log.state.wal.frames) >= self.checkpoint_commits:
+        if self._wal_bytes >= self.checkpoint_bytes or self.store.log.state.wal.n_frames >= self.checkpoint_commits:
             self._start_checkpoint(0.0)
         else:
             self._start_checkpoint(self.checkpoint_delay)
@@ -380,7 +396,7 @@ class Committer:
         if s.read_only:
             return 0
         st = s.log.state
-        if not st.wal.frames or (upto is not None and st.wal.upto >= upto):
+        if not st.wal.n_frames or (upto is not None and st.wal.upto >= upto):
             return 0
         with s.lock.held():
             s.log.repair_tail()
@@ -405,12 +421,10 @@ class Committer:
             for name in s.all_tables():
                 s.tables.delete(name, f"commit_id > {int(view.upto)}")
         s.log.append([{"op": "checkpoint-begin", "upto": upto}])
-        data: dict[str, list[pa.Table]] = {}
-        for f in view.frames:
-            for name, t in f.tables().items():
-                data.setdefault(name, []).append(t)
-        merged = {name: pa.concat_tables(ts) for name, ts in data.items()}
-        written = [n for n in (*DATA_TABLES, *sorted(set(merged) - set(DATA_TABLES))) if n in merged]
+        frames = view.frames
+        names = {n for f in frames for n in f.names()}
+        written = [n for n in (*DATA_TABLES, *sorted(names - set(DATA_TABLES))) if n in names]
+        merged = {n: rows_table(frames, n, s.tables.dataset(n).schema) for n in written}
         for name in written:
             s.tables.append(name, merged[name])
         gen = st.wal_gen + 1
@@ -591,13 +605,42 @@ class Committer:
             return first, {r["src"] for r in srcs}
 
     def has_artifact(self, h: str) -> bool:
-        """Whether artifact ``h`` is stored or pending in the group batch."""
+        """Whether artifact ``h`` is stored or pending in the group batch: from memory (the
+        fingerprints of every stored artifact, ``membership.py``) unless a fingerprint matches,
+        which a query confirms (and a bounded cache of confirmed ones remembers)."""
         if h in self._known_hashes or h in self._pending.hashes:
             return True
+        with self._fp_lock:
+            self._catch_up_fingerprints()
+            if not self._fingerprints.may_contain(h):
+                return False
         if self.exists("artifacts", "hash", h):
+            if len(self._known_hashes) >= KNOWN_HASHES:
+                self._known_hashes.clear()
             self._known_hashes.add(h)
             return True
         return False
+
+    def _catch_up_fingerprints(self) -> None:
+        """Extend the fingerprints by the artifacts of commits other writers made since the last
+        look (this one's own are added as it commits); the first call loads them all. The log as
+        last read will do: one another writer stored since is at worst stored again (the same
+        content under the same hash), and every commit reads the log."""
+        st = self.store.log.state
+        last = st.last_committed
+        if self._fp_upto >= last:
+            return
+        since: int | None = -1
+        if self._fp_upto >= 0:
+            others = [i for i in range(self._fp_upto + 1, last + 1) if i in st.commits and i not in self._fp_own]
+            since = self._fp_upto if others else None
+        if since is not None:
+            t = self.reads.at_commit(last, st).execute(
+                "SELECT TRY_CAST('0x' || hash[1:16] AS UBIGINT) AS f FROM artifacts_history WHERE commit_id > $1",
+                [since], tables=("artifacts",))
+            self._fingerprints.add_array(t.column("f").drop_null())
+        self._fp_upto = last
+        self._fp_own = {i for i in self._fp_own if i > last}
 
     def session_row(self, session_id: str) -> dict[str, Any] | None:
         """The latest row of a session (pending or committed), or None."""

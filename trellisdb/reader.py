@@ -90,11 +90,12 @@ def _shown(text: object) -> object:
     return text.encode("utf-8", "backslashreplace").decode("utf-8") if isinstance(text, str) and utf8_problem(text) else text
 
 
-def commits_table(state: LogState, upto: int) -> pa.Table:
+def commits_table(state: LogState, upto: int, ids: Sequence[int] | None = None) -> pa.Table:
+    """The ``commits`` relation: the log's commits up to ``upto`` (or those of ``ids``)."""
     by_commit: dict[int, list[str]] = {}
     for name, cid in list(state.tags.items()):
         by_commit.setdefault(cid, []).append(name)
-    recs = [state.commits[i] for i in sorted(state.commits) if i <= upto]
+    recs = [state.commits[i] for i in (sorted(i for i in list(state.commits) if i <= upto) if ids is None else ids)]
     return pa.table(
         {
             "id": pa.array([r["id"] for r in recs], pa.int64()),
@@ -109,6 +110,34 @@ def commits_table(state: LogState, upto: int) -> pa.Table:
         },
         schema=COMMITS_SCHEMA,
     )
+
+
+class CommitsRelation:
+    """The ``commits`` relation kept up to date with the log: extended by the commits since the
+    last look (a commit per agent step must not cost a rebuild of every commit), rebuilt only
+    when tags change or a repair added records below the last one."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._key: tuple[int, int, int] = (-1, -1, -1)
+        self._table = COMMITS_SCHEMA.empty_table()
+        self._top = 0
+
+    def get(self, state: LogState) -> tuple[tuple[int, int, int], pa.Table]:
+        with self._lock:
+            key = (len(state.commits), len(state.tags), len(state.invalid_tags))
+            if key == self._key:
+                return key, self._table
+            last = state.last_committed
+            new = [i for i in range(self._top + 1, last + 1) if i in state.commits]
+            if key[1:] == self._key[1:] and key[0] == self._key[0] + len(new) and new:
+                self._table = pa.concat_tables([self._table, commits_table(state, last, new)]).combine_chunks() \
+                    if len(new) > 64 or self._table.column(0).num_chunks > 64 else \
+                    pa.concat_tables([self._table, commits_table(state, last, new)])
+            else:
+                self._table = commits_table(state, last).combine_chunks()
+            self._top, self._key = last, key
+            return key, self._table
 
 
 #: Bulky columns left out of the mirror (and of the views ``T``, ``T_history``);
@@ -245,6 +274,8 @@ class SqlEngine:
         #: the edges as adjacency arrays (built by the first walk) and the lock its extension holds
         self._adj: Adjacency | None = None
         self._adj_lock = threading.Lock()
+        #: the ``commits`` relation, shared by the threads' connections
+        self._commits = CommitsRelation()
 
     def _keep_memory(self, keep: int | None) -> int:
         """Let DuckDB's block allocator keep ``keep`` bytes (None: the default share of its
@@ -333,10 +364,12 @@ class SqlEngine:
         if getattr(self._local, "views_key", None) != key:
             self._create_views(con, aborted, broken, superseded)
             self._local.views_key = key
-        if getattr(self._local, "commits_key", None) != (len(state.commits), len(state.tags)):
-            con.register("__commits", commits_table(state, state.last_committed))
-            con.execute(f"CREATE OR REPLACE TEMP VIEW commits AS SELECT * FROM __commits WHERE id <= {SNAPSHOT}")
-            self._local.commits_key = (len(state.commits), len(state.tags))
+        commits_key, table = self._commits.get(state)
+        if getattr(self._local, "commits_key", None) != commits_key:
+            con.register("__commits", table)
+            if getattr(self._local, "commits_key", None) is None:
+                con.execute(f"CREATE OR REPLACE TEMP VIEW commits AS SELECT * FROM __commits WHERE id <= {SNAPSHOT}")
+            self._local.commits_key = commits_key
         return con
 
     def scan(

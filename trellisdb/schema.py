@@ -12,6 +12,8 @@ and in the ``doc`` metadata of each field::
 
 from __future__ import annotations
 
+import functools
+
 import pyarrow as pa
 
 FORMAT_VERSION = 1
@@ -30,6 +32,7 @@ def _embedding(dim: int) -> pa.DataType:
 COMMIT_ID = _f("commit_id", pa.int64(), "id of the commit that wrote this row", nullable=False)
 
 
+@functools.lru_cache(maxsize=256)
 def table_schema(name: str, dim: int) -> pa.Schema:
     """The Arrow schema of table ``name`` for embedding dimension ``dim``."""
     fields = _FIELDS[name](dim)

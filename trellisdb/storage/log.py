@@ -49,7 +49,7 @@ from typing import Any, BinaryIO
 
 from trellisdb.errors import CorruptionError, TrellisWarning
 from trellisdb.names import name_problem
-from trellisdb.storage.wal import Frame, Segment, WalView, segment_name
+from trellisdb.storage.wal import Frame, Segment, WalRows, WalView, segment_name
 
 
 def _encode(record: dict[str, Any]) -> bytes:
@@ -230,7 +230,7 @@ class CommitLog:
         self._refreshing = threading.Lock()
         #: the WAL segment being read, and the frames read from it above ``lance_upto``
         self._segment = Segment(self.wal_path(1))
-        self._frames: list[Frame] = []
+        self._rows = WalRows()
 
     def wal_path(self, gen: int) -> str:
         return os.path.join(os.path.dirname(self.path), segment_name(gen))
@@ -257,7 +257,7 @@ class CommitLog:
             self._identity = None
             self._last_line = (0, b"")
             self._segment = Segment(self.wal_path(1))
-            self._frames = []
+            self._rows = WalRows()
             return self._refresh()
 
     def _refresh(self) -> LogState:
@@ -318,13 +318,19 @@ class CommitLog:
         st.open_ids.discard(f.id)
         st.max_id = max(st.max_id, f.id)
         st.last_committed = max(st.last_committed, f.id)
-        self._frames.append(f)
+        if f.id > st.lance_upto:
+            self._rows.add(f)
 
     def _publish(self, changed: bool) -> None:
         st = self._state
-        if changed or (self._frames and self._frames[0].id <= st.lance_upto) or st.wal.upto != st.lance_upto:
-            self._frames = [f for f in self._frames if f.id > st.lance_upto]
-            st.wal = WalView(st.lance_upto, tuple(self._frames))
+        if changed or st.wal.upto != st.lance_upto:
+            if self._rows.frames and self._rows.frames[0].id <= st.lance_upto:  # checkpointed
+                rows = WalRows()
+                for f in self._rows.frames:
+                    if f.id > st.lance_upto:
+                        rows.add(f)
+                self._rows = rows
+            st.wal = self._rows.view(st.lance_upto)
 
     def _apply(self, rec: dict[str, Any]) -> None:
         st = self._state
@@ -431,11 +437,12 @@ class CommitLog:
         self._segment.cut_torn_tail()
         return mark
 
-    def append_frame(self, record: dict[str, Any], tables: Mapping[str, Any]) -> None:
+    def append_frame(self, record: dict[str, Any], rows: Mapping[str, list[dict[str, Any]]],
+                     tables: Mapping[str, Any] | None = None) -> None:
         """Commit a small commit: one frame (its record and rows) appended to the WAL and
         fsynced, then the mark, unsynced (writer lock held, after ``repair_tail``)."""
         with self._refreshing:
-            f = self._segment.append(record, tables)
+            f = self._segment.append(record, rows, tables)
             self._apply_frame(f)
             self._publish(True)
             st = self._state

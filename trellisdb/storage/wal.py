@@ -11,27 +11,33 @@ with a ``checkpoint`` record naming the next segment, and deletes the old segmen
 
 A frame is a commit record line (``<json>\\t<crc32>\\n``, as in the commit log) whose
 record carries ``bytes`` (the payload's length), ``pcrc`` (its crc32) and ``tables``
-(``[[name, bytes], ...]``), followed by the payload: one Arrow IPC stream per table. A frame
+(``[[name, bytes, format], ...]``), followed by the payload: per table its rows as a JSON
+list (data tables) or an Arrow IPC stream (vector tables). A frame
 cut short or failing its checksum at the end of the segment is a torn append (never
 acknowledged): readers stop before it, the next writer cuts it off. One in the middle is
 damage, reported like a damaged log line.
 
     >>> import tempfile, os
     >>> path = os.path.join(tempfile.mkdtemp(), "wal-00000001.log")
-    >>> _ = Segment(path).append({"op": "commit", "id": 3, "time": 0.0}, {"tasks": pa.table({"id": ["t"]})})
-    >>> [(f.id, f.tables()["tasks"].num_rows) for f in Segment(path).read()]
-    [(3, 1)]
+    >>> _ = Segment(path).append({"op": "commit", "id": 3, "time": 0.0}, {"tasks": [{"id": "t"}]})
+    >>> [(f.id, f.rows()["tasks"]) for f in Segment(path).read()]
+    [(3, [{'id': 't'}])]
 """
 
 from __future__ import annotations
 
+import base64
+import bisect
+import datetime as dt
 import json
 import os
+import threading
 import zlib
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 
 
@@ -44,52 +50,144 @@ def _header(record: dict[str, Any]) -> bytes:
     return f"{body}\t{zlib.crc32(body.encode()) & 0xFFFFFFFF:08x}\n".encode()
 
 
+_PLAIN: dict[pa.Schema, pa.Schema] = {}
+_OPTIONS = pa.ipc.IpcWriteOptions(use_threads=False)
+
+
+def _plain(schema: pa.Schema) -> pa.Schema:
+    """``schema`` without field and schema metadata (the column docs): smaller frames."""
+    plain = _PLAIN.get(schema)
+    if plain is None:
+        plain = _PLAIN[schema] = pa.schema([f.remove_metadata() for f in schema])
+    return plain
+
+
 def _ipc(t: pa.Table) -> bytes:
     sink = pa.BufferOutputStream()
-    with pa.ipc.new_stream(sink, t.schema) as w:
-        w.write_table(t)
+    sch = _plain(t.schema)
+    with pa.ipc.new_stream(sink, sch, options=_OPTIONS) as w:
+        w.write_table(pa.Table.from_batches(t.to_batches(), sch) if sch is not t.schema else t)
     return bytes(sink.getvalue().to_pybytes())
 
 
-def encode(record: Mapping[str, Any], tables: Mapping[str, pa.Table]) -> tuple[dict[str, Any], bytes]:
-    """The record as written (with the payload's description) and the frame's bytes."""
-    parts = [(name, _ipc(t)) for name, t in tables.items() if t.num_rows]
-    payload = b"".join(p for _, p in parts)
-    rec = {**record, "tables": [[name, len(p)] for name, p in parts], "bytes": len(payload),
+def _json_value(v: object) -> object:
+    if isinstance(v, dt.datetime):
+        return {"$t": v.isoformat()}
+    if isinstance(v, bytes):
+        return {"$b": base64.b64encode(v).decode()}
+    raise TypeError(f"a row value of type {type(v).__name__} has no WAL form")
+
+
+def _json_hook(d: dict[str, Any]) -> object:
+    if len(d) == 1:
+        if "$t" in d:
+            return dt.datetime.fromisoformat(d["$t"])
+        if "$b" in d:
+            return base64.b64decode(d["$b"])
+        if "$f" in d:
+            return np.frombuffer(base64.b64decode(d["$f"]), np.float32).tolist()
+    return d
+
+
+def _jsonable(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Rows with their embeddings as base64 float32 (what they are stored as: exact, and far
+    cheaper to write than 384 JSON numbers)."""
+    if not rows or "embedding" not in rows[0]:
+        return rows
+    return [{**r, "embedding": {"$f": base64.b64encode(np.asarray(r["embedding"], np.float32).tobytes()).decode()}}
+            if r.get("embedding") is not None else r for r in rows]
+
+
+_ENCODER = json.JSONEncoder(separators=(",", ":"), default=_json_value, allow_nan=False)
+
+
+def encode(record: Mapping[str, Any], rows: Mapping[str, list[dict[str, Any]]],
+           tables: Mapping[str, pa.Table] | None = None) -> tuple[dict[str, Any], bytes]:
+    """The record as written (with the payload's description) and the frame's bytes.
+
+    ``rows`` (the data tables' rows as dicts, without ``commit_id``) are written as JSON:
+    building Arrow tables for one step's few rows costs more than the fsync, so a frame
+    holds rows and readers build Arrow tables for many frames at once. ``tables`` (vector
+    tables, already columnar) are written as Arrow IPC streams."""
+    parts = [(name, "json", _ENCODER.encode(_jsonable(r)).encode()) for name, r in rows.items() if r]
+    parts += [(name, "ipc", _ipc(t)) for name, t in (tables or {}).items() if t.num_rows]
+    payload = b"".join(p for _, _, p in parts)
+    rec = {**record, "tables": [[name, len(p), fmt] for name, fmt, p in parts], "bytes": len(payload),
            "pcrc": zlib.crc32(payload) & 0xFFFFFFFF}
     return rec, _header(rec) + payload
 
 
 @dataclass
 class Frame:
-    """One committed frame: its commit record and its rows (decoded on first use)."""
+    """One committed frame: its commit record and its rows (decoded on first use): per data
+    table a list of row dicts, per vector table an Arrow table."""
 
     record: dict[str, Any]
     payload: bytes = b""
+    _rows: dict[str, list[dict[str, Any]]] | None = field(default=None, repr=False)
     _tables: dict[str, pa.Table] | None = field(default=None, repr=False)
 
     @property
     def id(self) -> int:
         return int(self.record["id"])
 
+    def _decode(self) -> None:
+        rows: dict[str, list[dict[str, Any]]] = {}
+        tables: dict[str, pa.Table] = {}
+        pos = 0
+        for name, n, *fmt in self.record.get("tables", []):
+            part = self.payload[pos : pos + n]
+            if fmt and fmt[0] == "json":
+                rows[str(name)] = json.loads(part, object_hook=_json_hook)
+            else:
+                tables[str(name)] = pa.ipc.open_stream(pa.py_buffer(part)).read_all()
+            pos += n
+        self._rows, self._tables = rows, tables
+        self.payload = b""
+
+    def names(self) -> list[str]:
+        """The tables the frame holds rows of."""
+        return [str(t[0]) for t in self.record.get("tables", [])]
+
+    def rows(self) -> dict[str, list[dict[str, Any]]]:
+        """The data tables' rows (dicts without ``commit_id``)."""
+        if self._rows is None:
+            self._decode()
+        assert self._rows is not None
+        return self._rows
+
     def tables(self) -> dict[str, pa.Table]:
+        """The vector tables' rows (Arrow tables, with ``commit_id``)."""
         if self._tables is None:
-            out, pos = {}, 0
-            for name, n in self.record.get("tables", []):
-                out[str(name)] = pa.ipc.open_stream(pa.py_buffer(self.payload[pos : pos + n])).read_all()
-                pos += n
-            self._tables = out
-            self.payload = b""
+            self._decode()
+        assert self._tables is not None
         return self._tables
+
+    def table(self, name: str, schema: pa.Schema) -> pa.Table:
+        """The rows of ``name`` as an Arrow table of ``schema`` (``commit_id`` included)."""
+        return rows_table([self], name, schema)
 
     def raw(self) -> bytes:
         """The frame's bytes as read (a frame read from a file, rows not yet decoded)."""
         return _header(self.record) + self.payload
 
     @classmethod
-    def of(cls, record: dict[str, Any], tables: Mapping[str, pa.Table]) -> Frame:
-        """A frame this process wrote: its tables as they were, nothing decoded."""
-        return cls(record, b"", {n: t for n, t in tables.items() if t.num_rows})
+    def of(cls, record: dict[str, Any], rows: Mapping[str, list[dict[str, Any]]],
+           tables: Mapping[str, pa.Table] | None) -> Frame:
+        """A frame this process wrote: its rows as they were, nothing decoded."""
+        return cls(record, b"", {n: r for n, r in rows.items() if r},
+                   {n: t for n, t in (tables or {}).items() if t.num_rows})
+
+
+def rows_table(frames: Sequence[Frame], name: str, schema: pa.Schema) -> pa.Table:
+    """The rows of table ``name`` in ``frames`` as one Arrow table of ``schema`` (one conversion
+    for all of them), ``commit_id`` from each frame's record."""
+    dicts = [{**r, "commit_id": f.id} for f in frames for r in f.rows().get(name, ())]
+    parts = [pa.Table.from_pylist(dicts, schema=schema)] if dicts else []
+    parts += [f.tables()[name].select(schema.names).cast(schema) for f in frames if name in f.tables()]
+    if len(parts) == 1:
+        return parts[0]
+    return pa.concat_tables(parts) if parts else schema.empty_table()
 
 
 class Segment:
@@ -152,9 +250,10 @@ class Segment:
         if all(m != msg for _, m in self.problems):
             self.problems.append((self._count, msg))
 
-    def append(self, record: dict[str, Any], tables: Mapping[str, pa.Table]) -> Frame:
+    def append(self, record: dict[str, Any], rows: Mapping[str, list[dict[str, Any]]],
+               tables: Mapping[str, pa.Table] | None = None) -> Frame:
         """Append one frame durably (one write, one fsync; writer lock held, tail repaired)."""
-        rec, data = encode(record, tables)
+        rec, data = encode(record, rows, tables)
         created = not os.path.exists(self.path)
         fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         try:
@@ -166,7 +265,7 @@ class Segment:
             _sync_dir(os.path.dirname(self.path))
         self.offset += len(data)
         self._count += 1
-        return Frame.of(rec, tables)
+        return Frame.of(rec, rows, tables)
 
     def cut_torn_tail(self) -> None:
         """Cut a torn frame off the end (writer lock held; never in a damaged segment)."""
@@ -200,22 +299,71 @@ def _sync_dir(path: str) -> None:
 @dataclass(frozen=True)
 class WalView:
     """The commits whose rows are in the WAL, not yet in Lance: ``upto`` is the last commit
-    whose rows Lance holds (every commit the commit log records), ``frames`` the WAL's
-    commits above it, ascending. Immutable: a reader takes one and reads it consistently."""
+    whose rows Lance holds (every commit the commit log records); above it, the first
+    ``n_frames`` frames of ``rows``. Immutable: a reader takes one and reads it consistently
+    while writers add frames."""
 
     upto: int = 0
-    frames: tuple[Frame, ...] = ()
+    rows: WalRows | None = None
+    n_frames: int = 0
     _cache: dict[str, pa.Table] = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def frames(self) -> list[Frame]:
+        """The WAL's commits above ``upto``, ascending."""
+        return self.rows.frames[: self.n_frames] if self.rows is not None else []
 
     def table(self, name: str, schema: pa.Schema) -> pa.Table:
         """Every WAL row of table ``name`` (empty, with ``schema``, if none)."""
         t = self._cache.get(name)
         if t is None:
-            parts = [f.tables()[name] for f in self.frames if name in f.tables()]
-            t = pa.concat_tables([p.select(schema.names).cast(schema) for p in parts]) if parts else schema.empty_table()
+            t = self.rows.table(name, self.n_frames, schema) if self.rows is not None else schema.empty_table()
             self._cache[name] = t
         return t
 
     def touches(self, name: str, above: int, upto: int) -> bool:
         """Whether a frame with ``above < id <= upto`` holds rows of ``name``."""
-        return any(above < f.id <= upto and name in f.tables() for f in self.frames)
+        if self.rows is None:
+            return False
+        ids, at = self.rows.ids.get(name, []), self.rows.at.get(name, [])
+        n = bisect.bisect_left(at, self.n_frames)  # the frames of this view
+        i = bisect.bisect_right(ids, above, 0, n)
+        return i < n and ids[i] <= upto
+
+
+class WalRows:
+    """The WAL's frames above a checkpoint, in lists that only grow (a view names a prefix),
+    and per table the frames holding its rows. Readers get each table as one Arrow table,
+    built from the frames added since the last build (one conversion for all of them)."""
+
+    def __init__(self) -> None:
+        self.frames: list[Frame] = []
+        #: per table: ids of the frames holding its rows, and their positions in ``frames``
+        self.ids: dict[str, list[int]] = {}
+        self.at: dict[str, list[int]] = {}
+        self._built: dict[str, tuple[int, pa.Table]] = {}
+        self._lock = threading.Lock()
+
+    def add(self, f: Frame) -> None:
+        for name in f.names():
+            self.ids.setdefault(name, []).append(f.id)
+            self.at.setdefault(name, []).append(len(self.frames))
+        self.frames.append(f)
+
+    def table(self, name: str, n: int, schema: pa.Schema) -> pa.Table:
+        """The rows of ``name`` in the first ``n`` frames, as one table of ``schema``."""
+        with self._lock:
+            done, t = self._built.get(name, (0, schema.empty_table()))
+            if n < done or t.schema != schema:
+                done, t = 0, schema.empty_table()
+            new = [self.frames[i] for i in self.at.get(name, []) if done <= i < n]
+            if new:
+                t = pa.concat_tables([t, rows_table(new, name, schema)])
+                if t.column(0).num_chunks > 16:
+                    t = t.combine_chunks()
+            if n >= done:
+                self._built[name] = (n, t)
+            return t
+
+    def view(self, upto: int) -> WalView:
+        return WalView(upto, self, len(self.frames))
