@@ -111,8 +111,9 @@ def build_base(nodes: int, dim: int, work: str) -> tuple[str, str]:
 
 
 # ------------------------------------------------------------------ one writer
-def write_steps(kind: str, path: str, tag: str, p: dict[str, Any], start: int) -> list[float]:
-    """``len(p['code'])`` per-step writes by writer ``tag``; the latency of each."""
+def write_steps(kind: str, path: str, tag: str, p: dict[str, Any], start: int) -> tuple[list[float], float, float]:
+    """``len(p['code'])`` per-step writes by writer ``tag``: the latency of each, and when the
+    loop started and ended (opening and closing the store are not timed)."""
     code, emb, metrics = p["code"], p["emb"], p["metrics"]
     lat: list[float] = []
     if kind.startswith("trellis"):
@@ -123,6 +124,7 @@ def write_steps(kind: str, path: str, tag: str, p: dict[str, Any], start: int) -
         prev: str | None = None
         group = kind == "trellis-group"
         t_all = time.perf_counter()
+        begin = time.time()
         for i in range(len(code)):
             t0 = time.perf_counter()
             if group:
@@ -143,12 +145,14 @@ def write_steps(kind: str, path: str, tag: str, p: dict[str, Any], start: int) -
         if group:
             db.flush()
             lat = [(time.perf_counter() - t_all) / len(code)] * len(code)  # durable only at the flush
+        end = time.time()
         db.close()
-        return lat
+        return lat, begin, end
     con = sqlite3.connect(path, isolation_level=None, timeout=60)
     con.execute("PRAGMA journal_mode=WAL")
     con.execute(f"PRAGMA synchronous={'FULL' if kind == 'sqlite-full' else 'NORMAL'}")
     prev = None
+    begin = time.time()
     for i in range(len(code)):
         t0 = time.perf_counter()
         nid = f"{tag}-{kind}-{start + i}"
@@ -168,16 +172,16 @@ def write_steps(kind: str, path: str, tag: str, p: dict[str, Any], start: int) -
         con.execute("COMMIT")
         lat.append(time.perf_counter() - t0)
         prev = nid
+    end = time.time()
     con.close()
-    return lat
+    return lat, begin, end
 
 
 def _worker(kind: str, path: str, tag: str, p: dict[str, Any], start: int, go: Any, out: Any) -> None:
     try:
         go.wait()
-        t0 = time.time()
-        lat = write_steps(kind, path, tag, p, start)
-        out.put({"lat": lat, "start": t0, "end": time.time()})
+        lat, begin, end = write_steps(kind, path, tag, p, start)
+        out.put({"lat": lat, "start": begin, "end": end})
     except BaseException as e:
         out.put({"error": f"{type(e).__name__}: {e}"})
 
@@ -186,9 +190,8 @@ def run(kind: str, path: str, writers: int, steps: int, dim: int, block: int) ->
     """``writers`` processes (1: in this process) writing ``steps`` steps each."""
     ps = [payload(1000 * block + w, steps, dim) for w in range(writers)]
     if writers == 1:
-        t0 = time.time()
-        lat = write_steps(kind, path, "w0", ps[0], block * steps)
-        wall = time.time() - t0
+        lat, begin, end = write_steps(kind, path, "w0", ps[0], block * steps)
+        wall = end - begin
     else:
         ctx = mp.get_context("spawn")
         go, out = ctx.Event(), ctx.Queue()

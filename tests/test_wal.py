@@ -114,7 +114,7 @@ def test_a_torn_frame_is_ignored_then_cut_and_a_lost_frame_is_named(tmp_path: Pa
     del db
     seg = p / _segments(p)[0]
     whole = seg.read_bytes()
-    _rec, frame = wal.encode({"op": "commit", "id": 99, "time": 0.0}, {"tasks": [{"id": "x" * 400}]})
+    _rec, frame = wal.encode({"op": "commit", "id": 99, "time": 0.0}, wal.Payload.of({"tasks": [{"id": "x" * 400}]}))
     with open(seg, "ab") as fh:
         fh.write(frame[: len(frame) - 100])  # an append torn by a crash
     again = trellisdb.connect(p)

@@ -50,7 +50,7 @@ from trellisdb.names import check_name, check_text, did_you_mean
 from trellisdb.schema import DATA_TABLES
 from trellisdb.snapshot import Reads
 from trellisdb.storage.tables import PRUNE_GRACE
-from trellisdb.storage.wal import rows_table
+from trellisdb.storage.wal import Frame, Payload, rows_table
 from trellisdb.store import Store
 
 log = logging.getLogger("trellisdb")
@@ -285,6 +285,12 @@ class Committer:
 
     def _commit(self, batch: Batch, message: str | None, extra: Mapping[str, pa.Table] | None = None) -> int:
         s = self.store
+        latest = batch.latest_rows()
+        vectors = batch.vector_tables(0)  # commit_id: set below, or taken from the frame's id
+        rows = sum(len(r) for r in latest.values()) + sum(t.num_rows for t in vectors.values())
+        small = not extra and rows <= self.wal_max_rows and batch.approx_bytes() <= self.wal_max_bytes
+        # encoded before the lock is taken: writers in other threads and processes wait only for the append
+        payload = Payload.of(latest, vectors) if small else None
         with s.lock.held():
             mark = s.log.repair_tail()  # refuses when the log lost acknowledged records; reads the log
             st = s.log.state
@@ -298,15 +304,11 @@ class Committer:
             cid = s.guard.next_id(st, mark)
             record = {"op": "commit", "id": cid, "time": time.time(), "writer": self._writer_name,
                       "session": batch.session_id, "message": message}
-            latest = batch.latest_rows()
-            vectors = batch.vector_tables(cid)
-            rows = sum(len(r) for r in latest.values()) + sum(t.num_rows for t in vectors.values())
-            small = not extra and rows <= self.wal_max_rows and batch.approx_bytes() <= self.wal_max_bytes
-            if small:
+            if payload is not None:
                 # the commit point: one fsynced frame in the WAL; Lance gets the rows at a checkpoint
-                s.log.append_frame({**record, "rows": rows}, latest, vectors)
+                s.log.append_frame({**record, "rows": rows}, payload)
                 batch.commit_id = cid
-                self._wal_bytes += batch.approx_bytes()
+                self._wal_bytes += payload.nbytes
             else:
                 # a big commit goes to Lance itself; the WAL's commits (lower ids) go first
                 self._checkpoint_locked()
@@ -316,7 +318,7 @@ class Committer:
                         t.schema.get_field_index("commit_id"), "commit_id", pa.array([cid] * t.num_rows, pa.int64())
                     )
                     data[name] = pa.concat_tables([data[name], t]) if name in data else t
-                data.update(vectors)
+                data.update(batch.vector_tables(cid))
                 written = [name for name in (*DATA_TABLES, *batch.vectors) if name in data and data[name].num_rows]
                 s.log.append([{"op": "begin", "id": cid}])
                 for name in written:
@@ -331,7 +333,7 @@ class Committer:
                 with self._fp_lock:
                     self._fingerprints.add_hashes(batch.hashes)
                     self._fp_own.add(cid)
-        if small:
+        if payload is not None:
             self._after_wal_commit()
         return cid
 
@@ -359,12 +361,15 @@ class Committer:
 
     def _start_checkpoint(self, delay: float) -> None:
         with self._ckpt_lock:
-            self._ckpt_due = time.monotonic() + delay
+            due = time.monotonic() + delay
+            earlier = self._ckpt_due is None or due < self._ckpt_due
+            self._ckpt_due = due
             if self._ckpt_thread is None or not self._ckpt_thread.is_alive():
                 self._ckpt_thread = threading.Thread(target=self._checkpoint_loop, name="trellisdb-checkpoint",
                                                      daemon=True)
                 self._ckpt_thread.start()
-            self._ckpt_wake.set()
+            elif earlier:  # a later time is noticed when the thread wakes: no wake-up per commit
+                self._ckpt_wake.set()
 
     def _checkpoint_loop(self) -> None:
         while not self.closed:
@@ -633,7 +638,21 @@ class Committer:
         since: int | None = -1
         if self._fp_upto >= 0:
             others = [i for i in range(self._fp_upto + 1, last + 1) if i in st.commits and i not in self._fp_own]
-            since = self._fp_upto if others else None
+            wal = st.wal
+            # other writers' small commits still in the WAL: their hashes are in memory already
+            in_wal: dict[int, Frame] = {}
+            if others and others[0] > wal.upto:
+                frames = wal.frames
+                for k in range(len(frames) - 1, -1, -1):  # the newest frames, back to the last look
+                    if frames[k].id <= self._fp_upto:
+                        break
+                    in_wal[frames[k].id] = frames[k]
+            if all(i in in_wal for i in others):
+                self._fingerprints.add_hashes(r["hash"] for i in others
+                                              for r in in_wal[i].rows().get("artifacts", ()))
+                since = None
+            else:
+                since = self._fp_upto
         if since is not None:
             t = self.reads.at_commit(last, st).execute(
                 "SELECT TRY_CAST('0x' || hash[1:16] AS UBIGINT) AS f FROM artifacts_history WHERE commit_id > $1",

@@ -333,18 +333,22 @@ class SqlEngine:
                 con.register(f"__lance_{name}", ds)
                 registered[name] = id(ds)
         self._local.registered = registered
-        if getattr(self._local, "wal", None) is not wal:
-            # the WAL's rows: Arrow tables next to Lance's, read through the views __src_T
-            for name in DATA_TABLES:
+        # the WAL's rows: Arrow tables next to Lance's, read through the views __src_T; registered
+        # for the tables this query needs (an internal lookup reads one), once per WAL view
+        wal_reg: dict[str, WalView] = getattr(self._local, "wal_reg", {})
+        moved = getattr(self._local, "lance_upto", None) != wal.upto  # a checkpoint: every table's rows moved
+        for name in DATA_TABLES if moved or len(self._upto) < len(DATA_TABLES) else tables:
+            if wal_reg.get(name) is not wal:
                 con.register(f"__wal_{name}", wal.table(name, self._tables.dataset(name, refresh=False).schema))
-            if getattr(self._local, "lance_upto", None) != wal.upto:
-                con.execute(f"SET VARIABLE trellis_lance_upto = {int(wal.upto)}")
-                self._local.lance_upto = wal.upto
-            if getattr(self._local, "wal", None) is None:
-                for name in DATA_TABLES:
-                    con.execute(f"CREATE OR REPLACE TEMP VIEW __src_{name} AS SELECT * FROM __lance_{name} "
-                                f"WHERE commit_id <= {LANCE_UPTO} UNION ALL SELECT * FROM __wal_{name}")
-            self._local.wal = wal
+                wal_reg[name] = wal
+        if getattr(self._local, "wal_reg", None) is None:
+            self._local.wal_reg = wal_reg
+            for name in DATA_TABLES:
+                con.execute(f"CREATE OR REPLACE TEMP VIEW __src_{name} AS SELECT * FROM __lance_{name} "
+                            f"WHERE commit_id <= {LANCE_UPTO} UNION ALL SELECT * FROM __wal_{name}")
+        if moved:
+            con.execute(f"SET VARIABLE trellis_lance_upto = {int(wal.upto)}")
+            self._local.lance_upto = wal.upto
         top = self._top()  # after the checkouts: no row in them has a higher id
         with self._lock:
             if len(self._upto) < len(DATA_TABLES):  # the views need every mirror table to exist

@@ -54,10 +54,10 @@ class _Disk:
                 raise OSError(28, "No space left on device")
             return real(tables, name, data)
 
-        def append_frame(seg: Segment, record: Any, rows: Any, tables: Any = None) -> Any:
+        def append_frame(seg: Segment, record: Any, payload: Any) -> Any:
             if self.full:
                 raise OSError(28, "No space left on device")
-            return real_frame(seg, record, rows, tables)
+            return real_frame(seg, record, payload)
 
         monkeypatch.setattr(LanceTables, "append", append)
         monkeypatch.setattr(Segment, "append", append_frame)

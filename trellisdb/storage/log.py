@@ -49,7 +49,7 @@ from typing import Any, BinaryIO
 
 from trellisdb.errors import CorruptionError, TrellisWarning
 from trellisdb.names import name_problem
-from trellisdb.storage.wal import Frame, Segment, WalRows, WalView, segment_name
+from trellisdb.storage.wal import Frame, Payload, Segment, WalRows, WalView, segment_name
 
 
 def _encode(record: dict[str, Any]) -> bytes:
@@ -437,12 +437,11 @@ class CommitLog:
         self._segment.cut_torn_tail()
         return mark
 
-    def append_frame(self, record: dict[str, Any], rows: Mapping[str, list[dict[str, Any]]],
-                     tables: Mapping[str, Any] | None = None) -> None:
+    def append_frame(self, record: dict[str, Any], payload: Payload) -> None:
         """Commit a small commit: one frame (its record and rows) appended to the WAL and
         fsynced, then the mark, unsynced (writer lock held, after ``repair_tail``)."""
         with self._refreshing:
-            f = self._segment.append(record, rows, tables)
+            f = self._segment.append(record, payload)
             self._apply_frame(f)
             self._publish(True)
             st = self._state

@@ -19,7 +19,7 @@ damage, reported like a damaged log line.
 
     >>> import tempfile, os
     >>> path = os.path.join(tempfile.mkdtemp(), "wal-00000001.log")
-    >>> _ = Segment(path).append({"op": "commit", "id": 3, "time": 0.0}, {"tasks": [{"id": "t"}]})
+    >>> _ = Segment(path).append({"op": "commit", "id": 3, "time": 0.0}, Payload.of({"tasks": [{"id": "t"}]}))
     >>> [(f.id, f.rows()["tasks"]) for f in Segment(path).read()]
     [(3, [{'id': 't'}])]
 """
@@ -101,20 +101,37 @@ def _jsonable(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 _ENCODER = json.JSONEncoder(separators=(",", ":"), default=_json_value, allow_nan=False)
 
 
-def encode(record: Mapping[str, Any], rows: Mapping[str, list[dict[str, Any]]],
-           tables: Mapping[str, pa.Table] | None = None) -> tuple[dict[str, Any], bytes]:
-    """The record as written (with the payload's description) and the frame's bytes.
+@dataclass(frozen=True)
+class Payload:
+    """A commit's rows encoded for a frame (done before the writer lock is taken): per data
+    table its rows as JSON, per vector table an Arrow IPC stream (its ``commit_id`` column is
+    a placeholder; readers take the frame's id). Keeps the rows for the writer's own reads."""
 
-    ``rows`` (the data tables' rows as dicts, without ``commit_id``) are written as JSON:
-    building Arrow tables for one step's few rows costs more than the fsync, so a frame
-    holds rows and readers build Arrow tables for many frames at once. ``tables`` (vector
-    tables, already columnar) are written as Arrow IPC streams."""
-    parts = [(name, "json", _ENCODER.encode(_jsonable(r)).encode()) for name, r in rows.items() if r]
-    parts += [(name, "ipc", _ipc(t)) for name, t in (tables or {}).items() if t.num_rows]
-    payload = b"".join(p for _, _, p in parts)
-    rec = {**record, "tables": [[name, len(p), fmt] for name, fmt, p in parts], "bytes": len(payload),
-           "pcrc": zlib.crc32(payload) & 0xFFFFFFFF}
-    return rec, _header(rec) + payload
+    rows: Mapping[str, list[dict[str, Any]]]
+    tables: Mapping[str, pa.Table]
+    parts: tuple[tuple[str, str, bytes], ...]
+
+    @classmethod
+    def of(cls, rows: Mapping[str, list[dict[str, Any]]], tables: Mapping[str, pa.Table] | None = None) -> Payload:
+        """Building Arrow tables for one step's few rows costs more than the fsync, so data rows
+        are written as JSON and readers build Arrow tables for many frames at once."""
+        rows = {n: r for n, r in rows.items() if r}
+        tables = {n: t for n, t in (tables or {}).items() if t.num_rows}
+        parts = [(name, "json", _ENCODER.encode(_jsonable(r)).encode()) for name, r in rows.items()]
+        parts += [(name, "ipc", _ipc(t)) for name, t in tables.items()]
+        return cls(rows, tables, tuple(parts))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(len(p) for _, _, p in self.parts)
+
+
+def encode(record: Mapping[str, Any], payload: Payload) -> tuple[dict[str, Any], bytes]:
+    """The record as written (with the payload's description) and the frame's bytes."""
+    data = b"".join(p for _, _, p in payload.parts)
+    rec = {**record, "tables": [[name, len(p), fmt] for name, fmt, p in payload.parts], "bytes": len(data),
+           "pcrc": zlib.crc32(data) & 0xFFFFFFFF}
+    return rec, _header(rec) + data
 
 
 @dataclass
@@ -172,11 +189,9 @@ class Frame:
         return _header(self.record) + self.payload
 
     @classmethod
-    def of(cls, record: dict[str, Any], rows: Mapping[str, list[dict[str, Any]]],
-           tables: Mapping[str, pa.Table] | None) -> Frame:
+    def of(cls, record: dict[str, Any], payload: Payload) -> Frame:
         """A frame this process wrote: its rows as they were, nothing decoded."""
-        return cls(record, b"", {n: r for n, r in rows.items() if r},
-                   {n: t for n, t in (tables or {}).items() if t.num_rows})
+        return cls(record, b"", dict(payload.rows), dict(payload.tables))
 
 
 def rows_table(frames: Sequence[Frame], name: str, schema: pa.Schema) -> pa.Table:
@@ -184,7 +199,12 @@ def rows_table(frames: Sequence[Frame], name: str, schema: pa.Schema) -> pa.Tabl
     for all of them), ``commit_id`` from each frame's record."""
     dicts = [{**r, "commit_id": f.id} for f in frames for r in f.rows().get(name, ())]
     parts = [pa.Table.from_pylist(dicts, schema=schema)] if dicts else []
-    parts += [f.tables()[name].select(schema.names).cast(schema) for f in frames if name in f.tables()]
+    for f in frames:
+        t = f.tables().get(name)
+        if t is not None:
+            t = t.set_column(t.schema.get_field_index("commit_id"), "commit_id",
+                             pa.array(np.full(t.num_rows, f.id, np.int64)))
+            parts.append(t.select(schema.names).cast(schema))
     if len(parts) == 1:
         return parts[0]
     return pa.concat_tables(parts) if parts else schema.empty_table()
@@ -250,10 +270,9 @@ class Segment:
         if all(m != msg for _, m in self.problems):
             self.problems.append((self._count, msg))
 
-    def append(self, record: dict[str, Any], rows: Mapping[str, list[dict[str, Any]]],
-               tables: Mapping[str, pa.Table] | None = None) -> Frame:
+    def append(self, record: dict[str, Any], payload: Payload) -> Frame:
         """Append one frame durably (one write, one fsync; writer lock held, tail repaired)."""
-        rec, data = encode(record, rows, tables)
+        rec, data = encode(record, payload)
         created = not os.path.exists(self.path)
         fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         try:
@@ -265,7 +284,7 @@ class Segment:
             _sync_dir(os.path.dirname(self.path))
         self.offset += len(data)
         self._count += 1
-        return Frame.of(rec, rows, tables)
+        return Frame.of(rec, payload)
 
     def cut_torn_tail(self) -> None:
         """Cut a torn frame off the end (writer lock held; never in a damaged segment)."""
