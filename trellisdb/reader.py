@@ -397,6 +397,10 @@ class SqlEngine:
         except (OSError, ValueError, RuntimeError) as e:
             raise CorruptionError(f"table {name!r} could not be read ({e}); run `trellis verify` to name the damaged file") from e
 
+    @property
+    def adjacency_built(self) -> bool:
+        return self._adj is not None
+
     def adjacency(self, state: LogState) -> Adjacency:
         """The committed edges as of ``state`` as adjacency arrays (``trellisdb/graph.py``):
         built on first use, then extended by the edge rows of the commits since."""

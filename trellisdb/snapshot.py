@@ -65,6 +65,8 @@ class Reads:
         #: moves the WAL's commits up to a given id into Lance (set by the facade to the
         #: committer's ``checkpoint``; a read-only handle leaves them where they are)
         self.checkpoint: Callable[[int], object] = _no_checkpoint
+        #: graph walks (LINEAGE) asked so far: the second one builds the in-memory adjacency
+        self.graph_walks = 0
         self._names: dict[tuple[str, str], tuple[set[str], int]] = {}
         self._names_lock = threading.Lock()
 
@@ -171,6 +173,10 @@ class Snapshot:
         """The committed lineage edges as in-memory adjacency arrays (``trellisdb/graph.py``); a walk
         masks them to this snapshot's commit."""
         return self._store.engine.adjacency(self.state)
+
+    def adjacency_built(self) -> bool:
+        """Whether the in-memory adjacency exists already (a walk over it costs no build)."""
+        return self._store.engine.adjacency_built
 
     def dataset(self, table: str) -> lance.LanceDataset:
         """The Lance dataset of ``table`` (latest version): for vector and keyword search, and

@@ -258,6 +258,8 @@ class Compiler:
         return self.cte(_template(f"SELECT id, min(hop) AS hop FROM {name} GROUP BY id"))
 
     def op_Walk(self, p: P.Walk) -> str:
+        if p.walked:  # computed before the SQL (tql/run.py), one row per node at its fewest hops
+            return self.cte(_template("SELECT id, hop FROM __walk"))
         return self._walk(self._edges(p.kinds), self.value(p.seed), p.direction, p.max_hops)
 
     def op_SiblingsOf(self, p: P.SiblingsOf) -> str:

@@ -98,6 +98,9 @@ class Walk(Plan):
     kinds: tuple[str, ...]
     max_hops: int
     snapshot: int
+    #: walked before the SQL over the in-memory adjacency (``graph.py``) and read as the
+    #: relation ``__walk`` (``tql/run.py`` decides), instead of a recursive CTE
+    walked: bool = False
 
     def __post_init__(self) -> None:
         if self.direction not in ("ancestors", "descendants"):
@@ -108,8 +111,9 @@ class Walk(Plan):
             raise PlanError("Walk needs at least one edge kind")
 
     def label(self) -> str:
+        how = " over the in-memory adjacency" if self.walked else ""
         return (f"Walk {self.direction} of {self.seed!r} up to {self.max_hops} hops via {', '.join(self.kinds)}"
-                f" as of commit {self.snapshot}")
+                f" as of commit {self.snapshot}{how}")
 
 
 @dataclass(frozen=True)

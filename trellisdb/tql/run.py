@@ -5,6 +5,7 @@ This is the stage that touches the database; the others are pure functions.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Protocol
@@ -15,6 +16,7 @@ from trellisdb.errors import QueryError, QueryNameError, ReadOnlyError, UnknownN
 from trellisdb.graph import EMPTY_FOUND
 from trellisdb.result import Result
 from trellisdb.tql import ast as A
+from trellisdb.tql import plan as P
 from trellisdb.tql.compile import Compiled, compile_plan
 from trellisdb.tql.parser import parse
 from trellisdb.tql.plan import Plan, build
@@ -248,6 +250,11 @@ def run(reads: Reads, vectors: Vectors, db: ViewCommands, text: str, params: Map
     if isinstance(bound.statement, A.Retrieve):
         seeds, search = vector_step(snap, vectors, plan, bound)
         relations = {"__found": expand(snap, plan, seeds)}
+    walked = _walk_in_memory(reads, snap, plan)
+    if walked is not None:
+        plan, rows = walked
+        compiled = compile_plan(plan)
+        relations = {**(relations or {}), "__walk": rows}
     try:
         table = snap.execute(compiled.sql, compiled.params, relations=relations)
     except QueryError as e:
@@ -261,6 +268,44 @@ def run(reads: Reads, vectors: Vectors, db: ViewCommands, text: str, params: Map
     if table.num_rows == 0:
         _check_seeds(snap, bound)
     return QueryResult(table, snap, vectors, bound, plan, compiled, search)
+
+
+def _walks(plan: Plan) -> list[P.Walk]:
+    out = [plan] if isinstance(plan, P.Walk) else []
+    for f in dataclasses.fields(plan):
+        v = getattr(plan, f.name)
+        if isinstance(v, Plan):
+            out += _walks(v)
+    return out
+
+
+def _replace(plan: Plan, old: Plan, new: Plan) -> Plan:
+    if plan is old:
+        return new
+    changes = {f.name: _replace(v, old, new) for f in dataclasses.fields(plan)
+               if isinstance(v := getattr(plan, f.name), Plan)}
+    return dataclasses.replace(plan, **changes) if changes else plan
+
+
+def _walk_in_memory(reads: Reads, snap: Snapshot, plan: Plan) -> tuple[Plan, pa.Table] | None:
+    """A graph walk (LINEAGE) answered over the in-memory adjacency (``graph.py``) instead of a
+    recursive CTE: the plan reading its rows as ``__walk``, and the rows (id, hop; the seed at
+    hop 0). Building the adjacency costs a scan of every edge, so a process's first walk runs
+    as SQL (a one-shot CLI question); its later walks, or any once RETRIEVE built the
+    adjacency, go to memory (~1-2 ms instead of ~10 ms per deep lineage at 100k nodes)."""
+    walks = _walks(plan)
+    if len(walks) != 1:
+        return None
+    reads.graph_walks += 1
+    if reads.graph_walks < 2 and not snap.adjacency_built():
+        return None
+    w = walks[0]
+    forward = [w.direction == "descendants"] * w.max_hops
+    found = snap.adjacency().walk(pa.array([w.seed], pa.string()), [(w.direction, forward, [True] * w.max_hops)],
+                                  w.kinds, w.snapshot)
+    rows = pa.table({"id": pa.concat_arrays([pa.array([w.seed], pa.string()), found["id"].combine_chunks()]),
+                     "hop": pa.concat_arrays([pa.array([0], pa.int64()), found["hop"].combine_chunks().cast(pa.int64())])})
+    return _replace(plan, w, dataclasses.replace(w, walked=True)), rows
 
 
 def _check_seeds(snap: Snapshot, bound: Bound) -> None:
