@@ -200,3 +200,31 @@ def test_a_checkpoint_that_dies_half_way_changes_no_answer(tmp_path: Path, monke
     assert _answers(trellisdb.connect(p, mirror=False), cids) == before
     assert db.sql("SELECT count(*) AS n FROM nodes_history").to_pylist() == [{"n": 8}]
     assert db.verify() == []
+
+
+def test_a_frame_whose_sync_fails_is_cut_off_and_never_seen(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    db = trellisdb.connect(tmp_path / "db", embedding_dim=4)
+    db._committer.checkpoint_delay = 3600.0
+    s = db.session(id="s", task="t")
+    with db.transaction():
+        s.add_node(id="kept")
+    real = os.fsync
+    calls = []
+
+    def failing(fd: int) -> None:  # the frame's sync fails; the sync after cutting it off works
+        calls.append(fd)
+        if len(calls) == 1:
+            raise OSError(5, "Input/output error")
+        real(fd)
+
+    monkeypatch.setattr(os, "fsync", failing)
+    with pytest.raises(trellisdb.CommitError, match="Input/output"), db.transaction():
+        s.add_node(id="lost", parents=["kept"])
+    monkeypatch.setattr(os, "fsync", real)
+    other = trellisdb.connect(tmp_path / "db")  # reads the segment from its start
+    assert other.sql("SELECT id FROM nodes ORDER BY id").to_pylist() == [{"id": "kept"}]
+    with db.transaction():
+        s.add_node(id="after", parents=["kept"])
+    assert sorted(r["id"] for r in other.sql("SELECT id FROM nodes").to_pylist()) == ["after", "kept"]
+    assert db.verify() == []
+    db.close()

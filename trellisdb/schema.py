@@ -21,6 +21,12 @@ FORMAT_VERSION = 1
 TS = pa.timestamp("us", tz="UTC")
 
 
+#: Lance field metadata compressing a column's pages with zstd (level 1: the text of code,
+#: prompts and responses shrinks ~3x, for ~35% more write time of that column than raw bytes).
+#: A store's tables keep the schema they were created with: stores made before this stay raw.
+COMPRESSED = {"lance-encoding:compression": "zstd", "lance-encoding:compression-level": "1"}
+
+
 def _f(name: str, typ: pa.DataType, doc: str, nullable: bool = True) -> pa.Field:
     return pa.field(name, typ, nullable=nullable, metadata={"doc": doc})
 
@@ -97,7 +103,7 @@ def _artifacts(dim: int) -> list[pa.Field]:
         _f("hash", pa.string(), "sha256 of content, hex; the key", False),
         _f("media_type", pa.string(), "e.g. text/x-python, text/plain"),
         _f("size", pa.int64(), "content length in bytes"),
-        _f("content", pa.large_binary(), "the bytes, stored once per hash"),
+        pa.field("content", pa.large_binary(), metadata={"doc": "the bytes, stored once per hash", **COMPRESSED}),
     ]
 
 

@@ -231,6 +231,9 @@ class CommitLog:
         #: the WAL segment being read, and the frames read from it above ``lance_upto``
         self._segment = Segment(self.wal_path(1))
         self._rows = WalRows()
+        #: the log's and the segment's (device, inode, size) and the mark right after this
+        #: process's last commit: while they are unchanged, the next commit reads nothing
+        self._written: tuple[tuple[int, int, int], tuple[int, int, int], HighWaterMark] | None = None
 
     def wal_path(self, gen: int) -> str:
         return os.path.join(os.path.dirname(self.path), segment_name(gen))
@@ -252,6 +255,7 @@ class CommitLog:
     def reload(self) -> LogState:
         """Forget what was read and read the log from its start (after a repair replaced it)."""
         with self._refreshing:
+            self._written = None
             self._state = LogState()
             self._offset = self._lineno = self._size = 0
             self._identity = None
@@ -420,6 +424,9 @@ class CommitLog:
         A tail whose cut would lose what the mark says was written whole is damage, not a torn
         append: it is left as it is and ``CorruptionError`` refuses the write.
         """
+        if self._quiet():  # nothing changed since this process's own last commit: nothing to read
+            return self._written[2] if self._written is not None else None
+        self._written = None
         mark = self.acknowledged()
         st = self.refresh()
         lost = self.lost(mark)
@@ -437,6 +444,19 @@ class CommitLog:
         self._segment.cut_torn_tail()
         return mark
 
+    def _files(self) -> tuple[tuple[int, int, int], tuple[int, int, int]] | None:
+        """(device, inode, size) of the log and of the current WAL segment."""
+        try:
+            a, b = os.stat(self.path), os.stat(self._segment.path)
+        except OSError:
+            return None
+        return (a.st_dev, a.st_ino, a.st_size), (b.st_dev, b.st_ino, b.st_size)
+
+    def _quiet(self) -> bool:
+        """Whether the log and the WAL segment are exactly as this process's last commit left
+        them (no other writer, repair or damage since): its state and its mark are current."""
+        return self._written is not None and self._files() == self._written[:2]
+
     def append_frame(self, record: dict[str, Any], payload: Payload) -> None:
         """Commit a small commit: one frame (its record and rows) appended to the WAL and
         fsynced, then the mark, unsynced (writer lock held, after ``repair_tail``)."""
@@ -445,9 +465,11 @@ class CommitLog:
             self._apply_frame(f)
             self._publish(True)
             st = self._state
+            mark = HighWaterMark(f.id, float(record["time"]), st.max_id, self._offset)
             try:
-                write_hwm(self.hwm_path, HighWaterMark(f.id, float(record["time"]), st.max_id, self._offset),
-                          sync=False)
+                write_hwm(self.hwm_path, mark, sync=False)
+                files = self._files()
+                self._written = None if files is None or st.torn_at is not None else (*files, mark)
             except OSError as e:
                 warnings.warn(TrellisWarning(f"could not update {self.hwm_path} ({e}); the commit is durable, "
                                              "but its witness is stale"), stacklevel=3)
@@ -508,6 +530,7 @@ class CommitLog:
         """Append records durably (call only while holding the writer lock, after a refresh);
         then rewrite the high-water mark (a ``commit`` is acknowledged from then on)."""
         payload = b"".join(_encode(r) for r in records)
+        self._written = None
         fd = os.open(self.path, os.O_WRONLY | os.O_APPEND)
         try:
             os.write(fd, payload)

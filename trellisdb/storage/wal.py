@@ -29,6 +29,7 @@ from __future__ import annotations
 import base64
 import bisect
 import datetime as dt
+import errno
 import json
 import os
 import threading
@@ -39,6 +40,8 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
+
+from trellisdb.errors import CorruptionError
 
 
 def segment_name(gen: int) -> str:
@@ -271,17 +274,33 @@ class Segment:
             self.problems.append((self._count, msg))
 
     def append(self, record: dict[str, Any], payload: Payload) -> Frame:
-        """Append one frame durably (one write, one fsync; writer lock held, tail repaired)."""
+        """Append one frame durably (one write, one fsync; writer lock held, tail repaired).
+
+        A write or sync that fails cuts the frame off again before raising: the caller is told
+        the commit failed (and may retry it), so no reader may find it. Should the cut fail too,
+        ``CorruptionError`` says the commit's fate is unknown."""
         rec, data = encode(record, payload)
-        created = not os.path.exists(self.path)
-        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        if not os.path.exists(self.path):  # a new segment: its folder entry made durable first
+            os.close(os.open(self.path, os.O_WRONLY | os.O_CREAT, 0o644))
+            _sync_dir(os.path.dirname(self.path))
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND)
         try:
-            os.write(fd, data)
-            os.fsync(fd)
+            try:
+                if os.write(fd, data) != len(data):
+                    raise OSError(errno.ENOSPC, "short write (disk full?)")
+                os.fsync(fd)
+            except OSError as e:
+                try:
+                    os.ftruncate(fd, self.offset)
+                    os.fsync(fd)
+                except OSError as cut:
+                    raise CorruptionError(
+                        f"appending commit {record.get('id')} to {self.path} failed ({e}) and cutting it off failed "
+                        f"too ({cut}): it may be visible or not; run `trellis verify`"
+                    ) from e
+                raise
         finally:
             os.close(fd)
-        if created:
-            _sync_dir(os.path.dirname(self.path))
         self.offset += len(data)
         self._count += 1
         return Frame.of(rec, payload)
