@@ -228,3 +228,49 @@ def test_a_frame_whose_sync_fails_is_cut_off_and_never_seen(tmp_path: Path, monk
     assert sorted(r["id"] for r in other.sql("SELECT id FROM nodes").to_pylist()) == ["after", "kept"]
     assert db.verify() == []
     db.close()
+
+
+def test_retrieve_reads_vectors_still_in_the_wal_without_a_checkpoint(tmp_path: Path) -> None:
+    """Vectors of commits not yet checkpointed are searched exactly next to Lance's: the same
+    answers before and after the checkpoint, in the writer (which checkpoints nothing for it)
+    and in a read-only handle; AS OF an older commit hides the newer vectors."""
+    import numpy as np
+
+    p = tmp_path / "db"
+    db = trellisdb.connect(p, embedding_dim=8)
+    db._committer.checkpoint_delay = 3600.0
+    rng = np.random.default_rng(3)
+    s = db.session(id="s", task="t")
+    vecs = rng.standard_normal((60, 8)).astype(np.float32)
+    with db.transaction() as first:
+        for i in range(30):
+            s.add_node(id=f"a{i}", embedding=vecs[i])
+    db._committer.checkpoint()  # the first half in Lance, the second in the WAL
+    for i in range(30, 60):
+        with db.transaction():
+            s.add_node(id=f"a{i}", parents=[f"a{i - 30}"], embedding=vecs[i])
+    s.set_status("a35", "expanded")  # a second version of a row in the WAL
+    db.flush()
+    frames = db._store.log.state.wal.n_frames
+    assert frames >= 30
+    ro = trellisdb.connect(p, read_only=True)
+    queries = ["RETRIEVE 5 SIMILAR TO $q RETURN id, distance",
+               "RETRIEVE 5 SIMILAR TO $q WHERE status = 'expanded' RETURN id",
+               "RETRIEVE 3 SIMILAR TO $q EXPAND LINEAGE 1 RETURN id, relation",
+               f"RETRIEVE 5 SIMILAR TO $q RETURN id AS OF COMMIT {first.commit_id}"]
+    qs = [vecs[40] + 0.01, vecs[5] + 0.01, vecs[35]]
+
+    def answers(h: trellisdb.Database) -> list[Any]:  # distances to float32 precision (numpy vs Lance)
+        return [[{k: round(v, 5) if k == "distance" else v for k, v in r.items()}
+                 for r in h.query(text, q=q.tolist()).to_pylist()] for text in queries for q in qs]
+
+    before = answers(db)
+    assert db._store.log.state.wal.n_frames == frames  # no checkpoint was needed
+    assert before[0][0]["id"] == "a40" and abs(before[0][0]["distance"]) < 1e-3
+    assert before[1 * 3 + 2] == [{"id": "a35"}]  # the WHERE sees the status change still in the WAL
+    assert before[3 * 3] and all(int(r["id"][1:]) < 30 for r in before[3 * 3])  # AS OF the first commit
+    assert answers(ro) == before
+    db._committer.checkpoint()
+    assert answers(db) == before
+    assert answers(trellisdb.connect(p, read_only=True)) == before
+    db.close()

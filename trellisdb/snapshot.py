@@ -27,6 +27,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from trellisdb import asof, usersql
 from trellisdb.errors import UnknownSpaceError
@@ -178,12 +179,28 @@ class Snapshot:
         """Whether the in-memory adjacency exists already (a walk over it costs no build)."""
         return self._store.engine.adjacency_built
 
-    def dataset(self, table: str) -> lance.LanceDataset:
+    def dataset(self, table: str, *, settle: bool = True) -> lance.LanceDataset:
         """The Lance dataset of ``table`` (latest version): for vector and keyword search, and
         reads by row address. Rows above the snapshot are filtered by the caller (``aborted``).
-        The snapshot's commits still in the WAL are checkpointed into Lance first."""
-        self._reads.checkpoint(self.commit)
+        The snapshot's commits still in the WAL are checkpointed into Lance first, unless
+        ``settle`` is off: then the caller reads them with :meth:`wal_rows` (and keeps Lance's
+        rows to ``commit_id <= lance_upto``)."""
+        if settle:
+            self._reads.checkpoint(self.commit)
         return self._store.tables.dataset(table)
+
+    @property
+    def lance_upto(self) -> int:
+        """The last commit whose rows Lance holds; later ones are in the WAL (``wal_rows``)."""
+        return self.state.wal.upto
+
+    def wal_rows(self, table: str, schema: pa.Schema) -> pa.Table:
+        """The rows of ``table`` that commits up to the snapshot left in the WAL (not yet in Lance)."""
+        wal = self.state.wal
+        t = wal.table(table, schema)
+        if t.num_rows and wal.frames and wal.frames[-1].id > self.commit:
+            t = t.filter(pc.less_equal(t["commit_id"], self.commit))
+        return t
 
     def aborted(self) -> list[int]:
         """Ids at or below the snapshot of commits that never committed (their rows are invisible)."""

@@ -188,6 +188,27 @@ def search(
         fetch = min(total, fetch * 4)
 
 
+def merge_exact(hits: pa.Table, rows: pa.Table, column: str, q: np.ndarray, k: int,
+                candidates: pa.Array | None) -> pa.Table:
+    """``hits`` (id, distance) merged with an exact cosine search of ``rows`` (a few thousand at
+    most: the commits still in the write-ahead log), the ``k`` best, one row per id."""
+    if rows.num_rows == 0:
+        return hits
+    rows = rows.filter(pc.is_valid(rows[column]))
+    if candidates is not None:
+        rows = rows.filter(pc.is_in(rows["id"], value_set=candidates))
+    if rows.num_rows == 0:
+        return hits
+    dim = len(q)
+    mat = rows[column].combine_chunks().flatten().to_numpy(zero_copy_only=False).reshape(-1, dim).astype(np.float32)
+    qn = np.asarray(q, np.float32)
+    norms = np.linalg.norm(mat, axis=1) * max(float(np.linalg.norm(qn)), 1e-30)
+    dist = 1.0 - (mat @ qn) / np.maximum(norms, 1e-30)
+    found = pa.table({"id": rows["id"].combine_chunks().cast(pa.string()),
+                      "distance": pa.array(dist.astype(np.float32), pa.float32())})
+    return _best_per_id(pa.concat_tables([hits.cast(found.schema), found]), "distance", descending=False).slice(0, k)
+
+
 def keyword_search(
     ds: Any, column: str, text: str, k: int, visible: str | None, candidates: pa.Array | None, stats: SearchStats
 ) -> pa.Table:

@@ -33,6 +33,7 @@ from trellisdb.vectors.index import IndexMaintainer, IndexState
 from trellisdb.vectors.search import (
     SearchStats,
     keyword_search,
+    merge_exact,
     nprobes_for,
     search,
     text_index,
@@ -226,13 +227,16 @@ class Vectors:
 
     def search(self, snap: Snapshot, sp: Space, query: np.ndarray, k: int, candidates: pa.Array | None,
                stats: SearchStats) -> pa.Table:
-        """The ``k`` nearest visible vectors of ``sp`` to ``query`` as of ``snap`` (among ``candidates``)."""
-        ds = snap.dataset(sp.table)
+        """The ``k`` nearest visible vectors of ``sp`` to ``query`` as of ``snap`` (among ``candidates``):
+        Lance's rows (through the index), and the rows still in the WAL searched exactly next to
+        them, so a search right after a commit costs no checkpoint."""
+        ds = snap.dataset(sp.table, settle=False)
+        wal = snap.wal_rows(sp.table, ds.schema)
         hits = search(ds, sp, query, k, self.visibility(snap), candidates, stats)
+        hits = merge_exact(hits, wal, sp.column, query, k, candidates)
         if hits.num_rows == 0 and candidates is None:
             self._check_not_empty(snap, sp)
         return hits
-
     def keywords(self, snap: Snapshot, entity: str, text: str, k: int, candidates: pa.Array | None,
                  stats: SearchStats) -> pa.Table:
         """The ``k`` best BM25 matches of ``text`` in ``entity``'s text column as of ``snap``."""
@@ -248,13 +252,15 @@ class Vectors:
     def visibility(self, snap: Snapshot) -> str | None:
         """The Lance filter that hides rows not visible in ``snap``. Called after the dataset is
         opened: the log read now names every commit begun before (writers log ``begin`` before
-        they append), so no row the dataset holds escapes the filter."""
-        return visibility(snap.commit, snap.aborted(), self._reads.state().max_id)
+        they append), so no row the dataset holds escapes the filter. Rows of commits still in the
+        WAL are read from it, not from Lance (a checkpoint may be half-way)."""
+        return visibility(min(snap.commit, snap.lance_upto), snap.aborted(), self._reads.state().max_id)
 
     def _check_not_empty(self, snap: Snapshot, sp: Space) -> None:
-        ds = snap.dataset(sp.table)
+        ds = snap.dataset(sp.table, settle=False)
         flt = " AND ".join(f"({p})" for p in (self.visibility(snap), f"{sp.column} IS NOT NULL") if p)
-        if ds.count_rows(filter=flt) == 0:
+        wal = snap.wal_rows(sp.table, ds.schema)
+        if ds.count_rows(filter=flt) == 0 and wal.column(sp.column).null_count == wal.num_rows:
             from trellisdb.errors import EmptySpaceError
 
             how = ("add_node(embedding=...)" if sp.builtin else
@@ -265,7 +271,7 @@ class Vectors:
 
     def describe(self, snap: Snapshot, sp: Space) -> str:
         """How ``sp`` is searched now: exact, or its index and the exact scan of the rest."""
-        idx = vector_index(snap.dataset(sp.table), sp.column)
+        idx = vector_index(snap.dataset(sp.table, settle=False), sp.column)
         how = "exact flat scan (no index yet)"
         if idx is not None:
             st = self.indexer.observe(sp)
