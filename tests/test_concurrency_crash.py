@@ -57,10 +57,11 @@ def _check_whole(db: trellisdb.Database) -> None:
     assert ids == sorted(set(ids)), "commit ids must be unique and increasing"
 
 
-def test_four_processes_write_concurrently(tmp_path: Path) -> None:
+@pytest.mark.parametrize(("writers", "commits"), [(4, 40), (8, 20)])
+def test_processes_write_concurrently(tmp_path: Path, writers: int, commits: int) -> None:
     dbp = tmp_path / "db"
     trellisdb.connect(dbp, embedding_dim=4).close()
-    procs = [_spawn(dbp, tmp_path / f"ack{i}", f"w{i}", 40) for i in range(4)]
+    procs = [_spawn(dbp, tmp_path / f"ack{i}", f"w{i}", commits) for i in range(writers)]
     reader = trellisdb.connect(dbp)
     snapshots = 0
     while any(p.poll() is None for p in procs):
@@ -77,9 +78,9 @@ def test_four_processes_write_concurrently(tmp_path: Path) -> None:
     assert snapshots > 0
     db = trellisdb.connect(dbp)
     acked = {}
-    for i in range(4):
+    for i in range(writers):
         a = _acked(tmp_path / f"ack{i}")
-        assert len(a) == 40
+        assert len(a) == commits
         assert not set(a) & set(acked), "two writers acknowledged the same commit id"
         acked.update(a)
     log_ids = [c["id"] for c in db.log()]
