@@ -313,12 +313,11 @@ class Committer:
                 # a big commit goes to Lance itself; the WAL's commits (lower ids) go first
                 self._checkpoint_locked()
                 data = batch.to_arrow(s.embedding_dim, cid)
-                for name, t in (extra or {}).items():
+                for name, t in [*(extra or {}).items(), *vectors.items()]:  # stamped with this commit's id
                     t = t.set_column(
                         t.schema.get_field_index("commit_id"), "commit_id", pa.array([cid] * t.num_rows, pa.int64())
                     )
                     data[name] = pa.concat_tables([data[name], t]) if name in data else t
-                data.update(batch.vector_tables(cid))
                 written = [name for name in (*DATA_TABLES, *batch.vectors) if name in data and data[name].num_rows]
                 s.log.append([{"op": "begin", "id": cid}])
                 for name in written:

@@ -38,7 +38,6 @@ append: it is reported and writes are refused until ``trellis repair``
 from __future__ import annotations
 
 import datetime as dt
-import json
 import os
 import threading
 import warnings
@@ -49,26 +48,8 @@ from typing import Any, BinaryIO
 
 from trellisdb.errors import CorruptionError, TrellisWarning
 from trellisdb.names import name_problem
+from trellisdb.storage.lines import decode_line, encode_line, sync_dir
 from trellisdb.storage.wal import Frame, Payload, Segment, WalRows, WalView, segment_name
-
-
-def _encode(record: dict[str, Any]) -> bytes:
-    body = json.dumps(record, separators=(",", ":"), sort_keys=True)
-    crc = zlib.crc32(body.encode()) & 0xFFFFFFFF
-    return f"{body}\t{crc:08x}\n".encode()
-
-
-def _decode(line: bytes) -> dict[str, Any] | None:
-    """The record of one complete line, or None when the line is damaged."""
-    try:
-        body, crc = line.rstrip(b"\n").rsplit(b"\t", 1)
-        if int(crc, 16) != zlib.crc32(body) & 0xFFFFFFFF:
-            return None
-        rec = json.loads(body)
-    except ValueError:
-        return None
-    return rec if isinstance(rec, dict) else None
-
 
 #: The high-water mark's file, next to the log.
 HWM_FILE = "commits.hwm"
@@ -151,15 +132,6 @@ def write_hwm(path: str, mark: HighWaterMark, sync: bool = True) -> None:
         os.close(fd)
     if created:
         sync_dir(os.path.dirname(path))
-
-
-def sync_dir(path: str) -> None:
-    """Make a file created or renamed in folder ``path`` durable."""
-    fd = os.open(path or ".", os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 @dataclass
@@ -287,7 +259,7 @@ class CommitLog:
                 st.torn_at = self._offset + pos
                 break
             line = data[pos : nl + 1]
-            rec = _decode(line)
+            rec = decode_line(line)
             if rec is None:
                 if data.find(b"\n", nl + 1) < 0 and not data[nl + 1 :].strip():
                     # damaged final line: treat like a torn append
@@ -513,10 +485,10 @@ class CommitLog:
         """
         with open(self.path, "rb") as fh:
             head = fh.read(keep)
-        good = [line for line in head.splitlines(keepends=True) if _decode(line) is not None]
+        good = [line for line in head.splitlines(keepends=True) if decode_line(line) is not None]
         tmp = self.path + ".repair"
         with open(tmp, "wb") as fh:
-            fh.write(b"".join(good) + b"".join(_encode(r) for r in records))
+            fh.write(b"".join(good) + b"".join(encode_line(r) for r in records))
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, self.path)
@@ -529,7 +501,7 @@ class CommitLog:
     def append(self, records: list[dict[str, Any]]) -> None:
         """Append records durably (call only while holding the writer lock, after a refresh);
         then rewrite the high-water mark (a ``commit`` is acknowledged from then on)."""
-        payload = b"".join(_encode(r) for r in records)
+        payload = b"".join(encode_line(r) for r in records)
         self._written = None
         fd = os.open(self.path, os.O_WRONLY | os.O_APPEND)
         try:

@@ -42,15 +42,11 @@ import numpy as np
 import pyarrow as pa
 
 from trellisdb.errors import CorruptionError
+from trellisdb.storage.lines import decode_line, encode_line, sync_dir
 
 
 def segment_name(gen: int) -> str:
     return f"wal-{int(gen):08d}.log"
-
-
-def _header(record: dict[str, Any]) -> bytes:
-    body = json.dumps(record, separators=(",", ":"), sort_keys=True)
-    return f"{body}\t{zlib.crc32(body.encode()) & 0xFFFFFFFF:08x}\n".encode()
 
 
 _PLAIN: dict[pa.Schema, pa.Schema] = {}
@@ -134,7 +130,7 @@ def encode(record: Mapping[str, Any], payload: Payload) -> tuple[dict[str, Any],
     data = b"".join(p for _, _, p in payload.parts)
     rec = {**record, "tables": [[name, len(p), fmt] for name, fmt, p in payload.parts], "bytes": len(data),
            "pcrc": zlib.crc32(data) & 0xFFFFFFFF}
-    return rec, _header(rec) + data
+    return rec, encode_line(rec) + data
 
 
 @dataclass
@@ -183,13 +179,9 @@ class Frame:
         assert self._tables is not None
         return self._tables
 
-    def table(self, name: str, schema: pa.Schema) -> pa.Table:
-        """The rows of ``name`` as an Arrow table of ``schema`` (``commit_id`` included)."""
-        return rows_table([self], name, schema)
-
     def raw(self) -> bytes:
         """The frame's bytes as read (a frame read from a file, rows not yet decoded)."""
-        return _header(self.record) + self.payload
+        return encode_line(self.record) + self.payload
 
     @classmethod
     def of(cls, record: dict[str, Any], payload: Payload) -> Frame:
@@ -242,7 +234,7 @@ class Segment:
             if nl < 0:  # a header cut short: torn, or still being written
                 self.torn_at = self.offset + pos
                 break
-            rec = _decode_header(data[pos:nl])
+            rec = _decodeencode_line(data[pos:nl])
             if rec is None:
                 if nl + 1 == len(data):  # a damaged last line, nothing after it: a torn append
                     self.torn_at = self.offset + pos
@@ -282,7 +274,7 @@ class Segment:
         rec, data = encode(record, payload)
         if not os.path.exists(self.path):  # a new segment: its folder entry made durable first
             os.close(os.open(self.path, os.O_WRONLY | os.O_CREAT, 0o644))
-            _sync_dir(os.path.dirname(self.path))
+            sync_dir(os.path.dirname(self.path))
         fd = os.open(self.path, os.O_WRONLY | os.O_APPEND)
         try:
             try:
@@ -315,23 +307,9 @@ class Segment:
         self.torn_at = None
 
 
-def _decode_header(line: bytes) -> dict[str, Any] | None:
-    try:
-        body, crc = line.rsplit(b"\t", 1)
-        if int(crc, 16) != zlib.crc32(body) & 0xFFFFFFFF:
-            return None
-        rec = json.loads(body)
-    except ValueError:
-        return None
-    return rec if isinstance(rec, dict) and rec.get("op") == "commit" else None
-
-
-def _sync_dir(path: str) -> None:
-    fd = os.open(path or ".", os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+def _decodeencode_line(line: bytes) -> dict[str, Any] | None:
+    rec = decode_line(line)
+    return rec if rec is not None and rec.get("op") == "commit" else None
 
 
 @dataclass(frozen=True)
