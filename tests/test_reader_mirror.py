@@ -138,8 +138,32 @@ def test_rows_a_reader_saw_in_flight_are_mirrored_once_committed(tmp_path: Path,
     w.add_node(id="c", parents=["b"])
     db.flush()
     assert reader.query("LINEAGE OF 'c' ANCESTORS RETURN id").to_pylist() == [{"id": "c"}, {"id": "b"}, {"id": "a"}]
-    assert reader._store.engine._broken == set() and set(reader._store.engine._upto) == set(DATA_TABLES)
+    assert reader._store.engine._broken == set() and set(reader._store.engine._upto) == {"nodes", "edges", "rewards"}
     reader.close()
+    db.close()
+
+
+def test_a_reader_copies_only_the_tables_its_queries_name(tmp_path: Path) -> None:
+    """The mirror copies a table when a query first names it (a frontier reads three of the
+    eight); until then nothing of it is held, and a table read later is complete."""
+    db = trellisdb.connect(tmp_path / "db")
+    w = db.session(id="s", task="t")
+    for i in range(5):
+        w.add_node(id=f"n{i}", artifacts={"code": f"print({i})"})
+        w.add_reward(f"n{i}", "score", float(i))
+    db.flush()
+    fresh = trellisdb.connect(tmp_path / "db")
+    assert fresh.sql("SELECT count(*) AS n FROM nodes").to_pylist() == [{"n": 5}]
+    engine = fresh._store.engine
+    assert set(engine._upto) == {"nodes"}
+    held = {r[0] for r in engine._db.execute("SELECT table_name FROM duckdb_tables()").fetchall()}
+    assert "__mir_node_artifacts" not in held and "__mir_nodes" in held
+    w.add_node(id="n5", artifacts={"code": "print(5)"})
+    db.flush()
+    assert fresh.sql("SELECT count(*) AS n FROM node_artifacts").to_pylist() == [{"n": 6}]
+    assert fresh.query("NODES ORDER BY reward('score') DESC LIMIT 1 RETURN id").to_pylist() == [{"id": "n4"}]
+    assert set(engine._upto) == {"nodes", "node_artifacts", "rewards"}
+    fresh.close()
     db.close()
 
 
@@ -165,7 +189,7 @@ def test_the_rewards_mirror_is_copied_in_channel_order(tmp_path: Path) -> None:
     assert [(r["node_id"], r["channel"]) for r in got] == [(n, c) for n in ids for c in channels]
     # the lookup indexes are built once the first copy is committed (in bulk), one per lookup column
     indexes = {r[0] for r in con.execute("SELECT index_name FROM duckdb_indexes()").fetchall()}
-    assert {"__ix_nodes_id", "__ix_edges_dst", "__ix_rewards_node_id", "__ix_sup_rewards"} <= indexes
+    assert {"__ix_nodes_id", "__ix_edges_dst", "__ix_sup_nodes", "__ix_sup_edges"} <= indexes
     fresh.close()
     db.close()
 

@@ -26,6 +26,7 @@ from typing import Any
 
 import duckdb
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from trellisdb.errors import CorruptionError, QueryError, ValidationError
 from trellisdb.graph import Adjacency
@@ -154,14 +155,16 @@ PUBLIC_RELATIONS = frozenset(
 #: Mirror columns with an ART index: a filter on a constant or parameter key (the
 #: write path's existence and retry checks, ``WHERE id = $n``) probes the index
 #: instead of scanning the column. DuckDB does not use them for joins.
-LOOKUP_COLUMNS: dict[str, tuple[str, ...]] = {"nodes": ("id",), "edges": ("dst",), "rewards": ("node_id",)}
+#: (Not rewards' node_id: no lookup probes it, and at 5 rewards per node its index was the
+#: largest, ~250 MB at 1M nodes.)
+LOOKUP_COLUMNS: dict[str, tuple[str, ...]] = {"nodes": ("id",), "edges": ("dst",)}
 
 #: Mirror tables whose copied rows are inserted sorted by a column that most queries filter
 #: on with a constant: a reward channel (``reward('x')``). Each DuckDB row group then holds
 #: one channel or a few, and its min/max lets a channel filter skip the others.
 CLUSTER: dict[str, str] = {"rewards": "channel"}
-#: A large copy of such a table is sorted in parts of this many rows (~300 MB of rewards).
-CLUSTER_ROWS = 1 << 22
+#: A large copy of such a table is sorted in parts of this many rows (~80 MB of rewards).
+CLUSTER_ROWS = 1 << 20
 
 
 def gathered(
@@ -351,10 +354,10 @@ class SqlEngine:
             self._local.lance_upto = wal.upto
         top = self._top()  # after the checkouts: no row in them has a higher id
         with self._lock:
-            if len(self._upto) < len(DATA_TABLES):  # the views need every mirror table to exist
-                tables = DATA_TABLES
             self._refresh(con, snapshot, aborted, top, tables, wal)
-            broken = frozenset(self._broken)
+            # a table never asked for yet is not copied (a frontier reads three of them): its
+            # views read Lance directly until a query names it
+            broken = frozenset(self._broken) | (frozenset(DATA_TABLES) - frozenset(self._upto))
             # tables where some version is superseded (at any commit: the join filters by the snapshot):
             # only their views need the anti-join, and the views stay as they are when queries move
             # between snapshots (re-creating them cost ~10 ms a switch)
@@ -574,11 +577,14 @@ class SqlEngine:
             f"{_visible(snapshot_lance, aborted)}"
         parts: Iterable[pa.Table | pa.RecordBatchReader] = [rows]
         if name in CLUSTER:
-            # sorted a part at a time: what the sort holds besides the mirror stays bounded
-            insert += f" ORDER BY {CLUSTER[name]}"
-            if isinstance(rows, pa.RecordBatchReader):
-                parts = gathered(rows, CLUSTER_ROWS)
+            # sorted a part at a time, in Arrow: what the sort holds besides the mirror is about
+            # one part (DuckDB's ORDER BY kept its sort buffers: 0.5 GB more peak at 5M rewards)
+            key = [(CLUSTER[name], "ascending")]
+            parts = (p.take(pc.sort_indices(p, key)) for p in
+                     (gathered(rows, CLUSTER_ROWS) if isinstance(rows, pa.RecordBatchReader) else [rows]))
         for part in parts:
+            if isinstance(part, pa.Table):  # streamed: a registered table is inserted by parallel scans, whose
+                part = pa.RecordBatchReader.from_batches(part.schema, part.to_batches())  # buffers cost ~2x
             con.register("__new_rows", part)
             try:
                 row = con.execute(insert).fetchone()
@@ -603,7 +609,8 @@ class SqlEngine:
             history = {name: narrow, f"{name}_full": full} if name in WIDE else {name: narrow}
             for view, rows in history.items():
                 con.execute(f"CREATE OR REPLACE TEMP VIEW {view}_history AS {rows}")
-                if name in broken:  # unreadable now: a plain definition that fails (clearly) only when used
+                if name in broken:  # unreadable now (a plain definition that fails clearly only when
+                    # used), or never refreshed (correct, without the mirror's speed)
                     window = f"QUALIFY row_number() OVER (PARTITION BY {', '.join(KEYS[name])} ORDER BY commit_id DESC) = 1"
                     current = f"SELECT * FROM {view}_history {window}"
                 elif name in superseded:

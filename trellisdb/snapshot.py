@@ -149,12 +149,14 @@ class Snapshot:
         params: Sequence[Any] | Mapping[str, Any] | None = None,
         *,
         relations: Mapping[str, pa.Table] | None = None,
-        tables: Sequence[str] = DATA_TABLES,
+        tables: Sequence[str] | None = None,
     ) -> pa.Table:
         """trellisdb's own SQL over the snapshot views, unchecked: internal relations allowed
         (``relations``: Arrow tables it may read by name; ``tables``: the tables whose mirror
-        must be current, default all). Never pass a caller's text here: that is :meth:`sql`."""
-        return self._store.engine.run(self.state, self.commit, text, params, tables, relations)
+        must be current, default those the text names, so a query never copies a table it
+        does not read). Never pass a caller's text here: that is :meth:`sql`."""
+        need = tables_named(text) if tables is None else tables
+        return self._store.engine.run(self.state, self.commit, text, params, need, relations)
 
     def rows(self, text: str, params: Sequence[Any] | Mapping[str, Any] | None = None) -> list[dict[str, Any]]:
         """Rows of trellisdb's own query as dicts (unchecked, like :meth:`execute`); only the
