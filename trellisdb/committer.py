@@ -47,6 +47,7 @@ from trellisdb.errors import (
 )
 from trellisdb.membership import Fingerprints
 from trellisdb.names import check_name, check_text, did_you_mean
+from trellisdb.rules import commit_meta
 from trellisdb.schema import DATA_TABLES
 from trellisdb.snapshot import Reads
 from trellisdb.storage.tables import PRUNE_GRACE
@@ -223,21 +224,23 @@ class Committer:
                 "and retried (db.flush() retries now); this call wrote nothing"
             ) from f.error
 
-    def flush(self) -> int | None:
-        """Commit pending group-committed writes now; return the commit id (None if nothing).
+    def flush(self, meta: Mapping[str, Any] | None = None) -> int | None:
+        """Commit pending group-committed writes now; return the commit id (None if nothing and
+        no ``meta``: with ``meta``, a commit is written even without rows, to carry it).
 
         If the commit fails, the writes stay pending (the next flush, or the timer, retries
         them), the error is raised here, and each session whose writes it held is told on its
         next write: a failed commit never drops writes silently."""
+        checked = commit_meta(meta)
         with self._state_lock:
             if self._timer is not None:
                 self._timer.cancel()
                 self._timer = None
             batch, self._pending = self._pending, Batch()
-            if not len(batch):
+            if not len(batch) and checked is None:
                 return None
             try:
-                cid = self.commit(batch, None)
+                cid = self.commit(batch, None, meta=checked)
             except BaseException as e:
                 # Nothing was staged meanwhile (we hold the state lock): the batch is the pending one again.
                 self._pending = batch
@@ -248,11 +251,12 @@ class Committer:
             return cid
 
     @contextmanager
-    def transaction(self, message: str | None = None) -> Iterator[Transaction]:
+    def transaction(self, message: str | None = None, meta: Mapping[str, Any] | None = None) -> Iterator[Transaction]:
         """Commit every write made in the block (in this thread) as one commit (see
         :meth:`Database.transaction`)."""
         self.store.writable("transaction")
         check_text(message, "commit message")
+        checked = commit_meta(meta)
         if self.in_transaction():
             raise TransactionError("transactions do not nest; commit the outer one first")
         tx = Transaction()
@@ -262,19 +266,22 @@ class Committer:
             batch = self._tx.batch
         finally:
             self._tx.batch = None
-        if len(batch):
+        if len(batch) or checked is not None:
             # Earlier group-committed writes (e.g. the parent of a node in this
             # transaction) commit first, so the transaction never overtakes them.
             self.flush()
-            tx.commit_id = self.commit(batch, message)
+            tx.commit_id = self.commit(batch, message, meta=checked)
 
     # ------------------------------------------------------------ commits
-    def commit(self, batch: Batch, message: str | None, extra: Mapping[str, pa.Table] | None = None) -> int:
+    def commit(
+        self, batch: Batch, message: str | None, extra: Mapping[str, pa.Table] | None = None,
+        meta: dict[str, Any] | None = None,
+    ) -> int:
         """Commit ``batch`` (and the whole Arrow tables ``extra``) for a caller that waits for it: a
         failure before the commit point is raised (as ``CommitError`` if it is not a TrellisError)
         and nothing of the batch is visible; one after it does not undo the acknowledged commit."""
         try:
-            return self._commit(batch, message=message, extra=extra)
+            return self._commit(batch, message=message, extra=extra, meta=meta)
         except Exception as e:
             if batch.commit_id is not None:
                 log.warning("commit %d is durable, but what follows it failed: %s", batch.commit_id, e)
@@ -283,7 +290,10 @@ class Committer:
                 raise
             raise CommitError(f"the commit failed: {e}; nothing of it was written") from e
 
-    def _commit(self, batch: Batch, message: str | None, extra: Mapping[str, pa.Table] | None = None) -> int:
+    def _commit(
+        self, batch: Batch, message: str | None, extra: Mapping[str, pa.Table] | None = None,
+        meta: dict[str, Any] | None = None,
+    ) -> int:
         s = self.store
         latest = batch.latest_rows()
         vectors = batch.vector_tables(0)  # commit_id: set below, or taken from the frame's id
@@ -304,6 +314,8 @@ class Committer:
             cid = s.guard.next_id(st, mark)
             record = {"op": "commit", "id": cid, "time": time.time(), "writer": self._writer_name,
                       "session": batch.session_id, "message": message}
+            if meta is not None:  # checked by rules.commit_meta
+                record["meta"] = meta
             if payload is not None:
                 # the commit point: one fsynced frame in the WAL; Lance gets the rows at a checkpoint
                 s.log.append_frame({**record, "rows": rows}, payload)

@@ -37,6 +37,7 @@ from trellisdb.names import check_text, name_problem
 from trellisdb.paths import check_root, confined, default_root
 from trellisdb.reader import commits_table
 from trellisdb.result import Result
+from trellisdb.rules import commit_meta
 from trellisdb.snapshot import Reads, Snapshot
 from trellisdb.storage.tables import PRUNE_GRACE
 from trellisdb.store import Store
@@ -215,26 +216,41 @@ class Database:
     def in_transaction(self) -> bool:
         return self._committer.in_transaction()
 
-    def flush(self) -> int | None:
+    def flush(self, meta: Mapping[str, Any] | None = None) -> int | None:
         """Commit pending group-committed writes now; return the commit id (None if nothing).
+
+        ``meta``: run-level state to record with the commit (a mapping of JSON values, at most
+        64 KiB as JSON; the ``meta`` column of ``commits``, shown by ``trellis log``). With
+        ``meta`` a commit is written even when nothing is pending, to carry it.
 
         If the commit fails, the writes stay pending (the next flush, or the timer, retries
         them), the error is raised here, and each session whose writes it held is told on its
         next write: a failed commit never drops writes silently."""
-        return self._committer.flush()
+        return self._committer.flush(meta)
 
     @contextmanager
-    def transaction(self, message: str | None = None) -> Iterator[Transaction]:
+    def transaction(self, message: str | None = None, meta: Mapping[str, Any] | None = None) -> Iterator[Transaction]:
         """Commit every write made in the block (in this thread) as one commit.
 
         Nothing is visible to readers until the block ends; an exception
         discards the writes. After the block, ``tx.commit_id`` is the id of
-        the acknowledged commit (None if the block wrote nothing).
+        the acknowledged commit (None if the block wrote nothing and had no ``meta``).
+        ``meta`` is run-level state recorded with the commit, as in :meth:`flush`:
+
+        >>> import tempfile, trellisdb
+        >>> db = trellisdb.connect(tempfile.mkdtemp() + "/db")
+        >>> with db.transaction(message="checkpoint 10", meta={"best_program_id": "p7", "last_iteration": 10}):
+        ...     db.add_task("t")
+        't'
+        >>> db.sql("SELECT json_extract_string(meta, '$.best_program_id') AS best FROM commits").to_pylist()
+        [{'best': 'p7'}]
         """
-        with self._committer.transaction(message) as tx:
+        with self._committer.transaction(message, meta) as tx:
             yield tx
 
-    def ingest(self, tables: Mapping[str, pa.Table], message: str | None = None) -> int:
+    def ingest(
+        self, tables: Mapping[str, pa.Table], message: str | None = None, meta: Mapping[str, Any] | None = None
+    ) -> int:
         """Bulk-write whole Arrow tables (any subset of the data tables) as one commit.
 
         Columns are matched by name; missing nullable columns are filled with
@@ -244,8 +260,9 @@ class Database:
         check_text(message, "commit message")
         from trellisdb.bulk import prepare_bulk
 
+        checked = commit_meta(meta)
         prepared = prepare_bulk(self._reads.at(), self.embedding_dim, tables)
-        return self._committer.commit(Batch(), message, extra=prepared)
+        return self._committer.commit(Batch(), message, extra=prepared, meta=checked)
 
     def compact(self, prune_older_than: dt.timedelta = PRUNE_GRACE) -> dict[str, Any]:
         """Compact every table's fragments now and drop physical versions older
@@ -381,7 +398,7 @@ class Database:
         return self._reads.at(as_of)
 
     def log(self) -> list[dict[str, Any]]:
-        """The commits, oldest first: id, time, writer, session_id, message, rows, tags."""
+        """The commits, oldest first: id, time, writer, session_id, message, rows, tags, meta (JSON text)."""
         st = self._reads.state()
         rows: list[dict[str, Any]] = commits_table(st, st.last_committed).to_pylist()
         return rows

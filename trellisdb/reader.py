@@ -18,6 +18,7 @@ DuckDB specifics stay in this module.
 from __future__ import annotations
 
 import contextlib
+import json
 import re
 import threading
 import time
@@ -108,6 +109,8 @@ def commits_table(state: LogState, upto: int, ids: Sequence[int] | None = None) 
             "message": [_shown(r.get("message")) for r in recs],
             "rows": pa.array([r.get("rows", 0) for r in recs], pa.int64()),
             "tags": pa.array([sorted(by_commit.get(r["id"], [])) for r in recs], pa.list_(pa.string())),
+            "meta": [None if r.get("meta") is None else json.dumps(r["meta"], sort_keys=True, ensure_ascii=False)
+                     for r in recs],
         },
         schema=COMMITS_SCHEMA,
     )

@@ -224,3 +224,51 @@ def config_text(config: Mapping[str, Any] | str | None) -> str | None:
             f"mappings with string keys): {e}"
         ) from None
     return check_text(text, "session config")
+
+
+#: The most bytes a commit's metadata may take as JSON: it lives in the commit log, which every
+#: reader reads whole (run-level state, not data: rows go in the tables).
+META_MAX_BYTES = 64 * 1024
+
+
+def commit_meta(meta: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    """A commit's metadata checked: a mapping of JSON values (string keys, finite numbers), at
+    most ``META_MAX_BYTES`` as JSON; returned as the plain JSON value stored (None if empty).
+
+    >>> commit_meta({"best_program_id": "p7", "island_generations": [3, 4]})
+    {'best_program_id': 'p7', 'island_generations': [3, 4]}
+    """
+    if meta is None:
+        return None
+    if not isinstance(meta, Mapping):
+        raise ValidationError(f"commit meta must be a mapping (a dict of JSON values), got {type(meta).__name__}")
+    try:
+        _string_keys(meta)  # json.dumps would turn 1, True, None keys into strings silently
+        text = json.dumps(meta, sort_keys=True, allow_nan=False, ensure_ascii=False)
+    except (TypeError, ValueError, RecursionError) as e:
+        raise ValidationError(
+            f"commit meta must hold only JSON values (strings, finite numbers, booleans, null, lists and "
+            f"mappings with string keys): {e}"
+        ) from None
+    check_text(text, "commit meta")
+    if len(text.encode()) > META_MAX_BYTES:
+        raise ValidationError(
+            f"commit meta is {len(text.encode()):,} bytes as JSON; at most {META_MAX_BYTES:,} are kept in the "
+            "commit log. Store bulky run state as an artifact of a node and name its hash here"
+        )
+    value: dict[str, Any] = json.loads(text)
+    return value or None
+
+
+def _string_keys(value: object) -> None:
+    """TypeError at a mapping key that is not a string, at any depth."""
+    stack = [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, Mapping):
+            bad = [k for k in v if not isinstance(k, str)]
+            if bad:
+                raise TypeError(f"key {bad[0]!r} is not a string")
+            stack.extend(v.values())
+        elif isinstance(v, list | tuple):
+            stack.extend(v)

@@ -172,6 +172,7 @@ COMMITS_SCHEMA = pa.schema(
         _f("message", pa.string(), "commit message"),
         _f("rows", pa.int64(), "rows written"),
         _f("tags", pa.list_(pa.string()), "tag names pointing at this commit"),
+        _f("meta", pa.string(), "the commit's metadata (run-level state) as JSON text, keys sorted"),
     ]
 )
 

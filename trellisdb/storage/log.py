@@ -4,7 +4,7 @@ It is the single source of truth for which commits exist. A commit is durable
 and visible exactly when its ``commit`` record is on disk (fsynced). Records::
 
     {"op": "begin", "id": N}                 id N reserved, data being written
-    {"op": "commit", "id": N, "time": ...}   N is committed (the commit point)
+    {"op": "commit", "id": N, "time": ..., "meta": {...}}   N is committed (the commit point; meta optional)
     {"op": "tag", "name": "x", "id": N}      tag x names commit N
     {"op": "collected", "ids": [...]}        rows of aborted commits deleted
     {"op": "checkpoint-begin", "upto": N}     WAL commits up to N being appended to Lance
