@@ -216,14 +216,22 @@ def config_text(config: Mapping[str, Any] | str | None) -> str | None:
         return config
     if not isinstance(config, Mapping):
         raise ValidationError(f"session config must be a mapping or JSON text, got {type(config).__name__}")
+    return check_text(_json_text(config, "session config"), "session config")
+
+
+def _json_text(value: object, what: str, string_keys: bool = False) -> str:
+    """``value`` as JSON text (keys sorted), or a ValidationError naming ``what``; with
+    ``string_keys``, a key that is not a string is refused (json.dumps would turn 1, True or
+    None into a string key silently)."""
     try:
-        text = json.dumps(config, sort_keys=True, allow_nan=False, ensure_ascii=False)
+        if string_keys:
+            _string_keys(value)
+        return json.dumps(value, sort_keys=True, allow_nan=False, ensure_ascii=False)
     except (TypeError, ValueError, RecursionError) as e:
         raise ValidationError(
-            f"session config must hold only JSON values (strings, finite numbers, booleans, null, lists and "
+            f"{what} must hold only JSON values (strings, finite numbers, booleans, null, lists and "
             f"mappings with string keys): {e}"
         ) from None
-    return check_text(text, "session config")
 
 
 #: The most bytes a commit's metadata may take as JSON: it lives in the commit log, which every
@@ -242,14 +250,7 @@ def commit_meta(meta: Mapping[str, Any] | None) -> dict[str, Any] | None:
         return None
     if not isinstance(meta, Mapping):
         raise ValidationError(f"commit meta must be a mapping (a dict of JSON values), got {type(meta).__name__}")
-    try:
-        _string_keys(meta)  # json.dumps would turn 1, True, None keys into strings silently
-        text = json.dumps(meta, sort_keys=True, allow_nan=False, ensure_ascii=False)
-    except (TypeError, ValueError, RecursionError) as e:
-        raise ValidationError(
-            f"commit meta must hold only JSON values (strings, finite numbers, booleans, null, lists and "
-            f"mappings with string keys): {e}"
-        ) from None
+    text = _json_text(meta, "commit meta", string_keys=True)
     check_text(text, "commit meta")
     if len(text.encode()) > META_MAX_BYTES:
         raise ValidationError(
