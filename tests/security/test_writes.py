@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 import trellisdb
+from trellisdb.committer import RETRY_MAX_DELAY
 from trellisdb.storage.tables import LanceTables
 from trellisdb.storage.wal import Segment
 
@@ -76,6 +77,14 @@ def test_a_failed_group_commit_keeps_the_writes_and_tells_each_writer(
     b.add_node(id="b1")
     b.add_reward("b1", "score", 0.5)
     time.sleep(0.3)  # the timer's commit fails (and is retried, and fails again)
+    # Each failed retry tells each writer again; for the checks below, let the retry armed now
+    # fail once more and the next one wait the longest pause (RETRY_MAX_DELAY): a retry landing
+    # between two of the calls below flaked this test.
+    db._committer.commit_delay = 3600
+    deadline = time.monotonic() + 30
+    while db._committer._retry_delay < RETRY_MAX_DELAY and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert db._committer._retry_delay == RETRY_MAX_DELAY
     with pytest.raises(trellisdb.CommitError, match="session 'a'"):
         a.add_node(id="a2")  # told, once; the call itself wrote nothing
     a.add_node(id="a2")  # the next call goes through (it is pending with the rest)
