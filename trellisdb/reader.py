@@ -109,7 +109,7 @@ def commits_table(state: LogState, upto: int, ids: Sequence[int] | None = None) 
             "message": [_shown(r.get("message")) for r in recs],
             "rows": pa.array([r.get("rows", 0) for r in recs], pa.int64()),
             "tags": pa.array([sorted(by_commit.get(r["id"], [])) for r in recs], pa.list_(pa.string())),
-            "meta": [None if r.get("meta") is None else json.dumps(r["meta"], sort_keys=True, ensure_ascii=False)
+            "meta": [None if r.get("meta") is None else _shown(json.dumps(r["meta"], sort_keys=True, ensure_ascii=False))
                      for r in recs],
         },
         schema=COMMITS_SCHEMA,
@@ -343,7 +343,7 @@ class SqlEngine:
         # for the tables this query needs (an internal lookup reads one), once per WAL view
         wal_reg: dict[str, WalView] = getattr(self._local, "wal_reg", {})
         moved = getattr(self._local, "lance_upto", None) != wal.upto  # a checkpoint: every table's rows moved
-        for name in DATA_TABLES if moved or len(self._upto) < len(DATA_TABLES) else tables:
+        for name in DATA_TABLES if moved or not wal_reg else tables:
             if wal_reg.get(name) is not wal:
                 con.register(f"__wal_{name}", wal.table(name, self._tables.dataset(name, refresh=False).schema))
                 wal_reg[name] = wal

@@ -127,11 +127,13 @@ def test_a_bad_commit_message_in_the_log_reads_escaped(db: trellisdb.Database) -
         lines.pop()
     rec = json.loads(lines[-1].split(b"\t")[0])
     rec["message"] = "bad \ud800 message"
+    rec["meta"] = {"best": "bad \ud800 id"}  # commit metadata a writer that did not check left
     log.write_bytes(b"".join(lines[:-1]))
     _append_log(log, rec)
     again = trellisdb.connect(db.path)
     assert again.log()[-1]["message"] == "bad \\ud800 message"
     assert again.sql("SELECT message FROM commits").to_pylist() == [{"message": "bad \\ud800 message"}]
+    assert again.sql("SELECT meta FROM commits").to_pylist() == [{"meta": '{"best": "bad \\ud800 id"}'}]
     again.close()
 
 
