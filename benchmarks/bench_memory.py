@@ -50,7 +50,7 @@ FRONTIER_SQL = f"""
     SELECT n.id FROM nodes n LEFT JOIN rewards r ON r.node_id = n.id AND r.channel = '{CH}'
     WHERE n.id NOT IN (SELECT src FROM edges WHERE kind IN {KINDS})
       AND n.status NOT IN ('expanded', 'closed', 'failed', 'pruned')
-    ORDER BY r.value DESC NULLS LAST, n.commit_id, n.id LIMIT 10"""
+    ORDER BY r.value DESC NULLS LAST, n.seq, n.id LIMIT 10"""
 LINEAGE_SQL = f"""
     WITH RECURSIVE w(id, hop) AS (
       SELECT $n, 0 UNION
@@ -133,6 +133,8 @@ def build(work: str, nodes: int) -> str:
         for name in ("nodes", "edges", "rewards"):
             tab = t[name].drop_columns([c for c in ("embedding", "commit_id") if c in t[name].column_names])
             tab = tab.append_column("commit_id", pa.array([cid] * tab.num_rows, pa.int64()))
+            if name == "nodes":  # the insertion order TQL breaks ties by (schema.SEQ_SQL), as a plain column
+                tab = tab.append_column("seq", pa.array([(cid << 32) + i for i in range(tab.num_rows)], pa.int64()))
             if name not in writers:
                 writers[name] = pq.ParquetWriter(os.path.join(work, f"{name}.parquet"), tab.schema)
             writers[name].write_table(tab)

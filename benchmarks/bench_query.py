@@ -94,6 +94,8 @@ def build_store(work: str, g: ExperienceGraph, chunk: int) -> tuple[trellisdb.Da
             # the same rows as the store holds: commit_id stamped, the (unqueried) embedding left out
             tab = tab.drop_columns([c for c in ("embedding", "commit_id") if c in tab.column_names])
             tab = tab.append_column("commit_id", pa.array([cid] * tab.num_rows, pa.int64()))
+            if name == "nodes":  # the insertion order TQL breaks ties by (schema.SEQ_SQL), as a plain column
+                tab = tab.append_column("seq", pa.array([(cid << 32) + i for i in range(tab.num_rows)], pa.int64()))
             if name not in writers:
                 writers[name] = pq.ParquetWriter(os.path.join(pdir, f"{name}.parquet"), tab.schema)
             writers[name].write_table(tab)
@@ -112,25 +114,25 @@ def hand_sql(pq_paths: dict[str, str], in_memory: bool = False) -> tuple[duckdb.
             WITH RECURSIVE w(id, hop) AS (
               SELECT $n, 0 UNION
               SELECT e.src, w.hop + 1 FROM w JOIN edges e ON e.dst = w.id WHERE e.kind IN {kinds} AND w.hop < {hops})
-            SELECT n.id, min(w.hop) AS hop FROM w JOIN nodes n ON n.id = w.id GROUP BY n.id, n.commit_id
-            ORDER BY hop, n.commit_id, n.id"""
+            SELECT n.id, min(w.hop) AS hop FROM w JOIN nodes n ON n.id = w.id GROUP BY n.id, n.seq
+            ORDER BY hop, n.seq, n.id"""
     return con, {
         "frontier": f"""
             SELECT n.id, r.value AS score FROM nodes n
             LEFT JOIN rewards r ON r.node_id = n.id AND r.channel = '{CH}'
             WHERE n.id NOT IN (SELECT src FROM edges WHERE kind IN {KINDS})
               AND n.status NOT IN ('expanded', 'closed', 'failed', 'pruned')
-            ORDER BY score DESC NULLS LAST, n.commit_id, n.id LIMIT 10""",
+            ORDER BY score DESC NULLS LAST, n.seq, n.id LIMIT 10""",
         "frontier_session_per_parent": f"""
             WITH c AS (
-              SELECT n.id, n.commit_id, r.value AS score, (SELECT min(src) FROM edges e WHERE e.dst = n.id
+              SELECT n.id, n.seq, r.value AS score, (SELECT min(src) FROM edges e WHERE e.dst = n.id
                                               AND e.kind IN {KINDS}) AS parent
               FROM nodes n LEFT JOIN rewards r ON r.node_id = n.id AND r.channel = '{CH}'
               WHERE n.session_id = $s AND n.id NOT IN (SELECT src FROM edges WHERE kind IN {KINDS})
                 AND n.status NOT IN ('expanded', 'closed', 'failed', 'pruned'))
             SELECT id, score FROM c
-            QUALIFY row_number() OVER (PARTITION BY parent ORDER BY score DESC NULLS LAST, commit_id, id) <= 2
-            ORDER BY score DESC NULLS LAST, commit_id, id LIMIT 10""",
+            QUALIFY row_number() OVER (PARTITION BY parent ORDER BY score DESC NULLS LAST, seq, id) <= 2
+            ORDER BY score DESC NULLS LAST, seq, id LIMIT 10""",
         "lineage_3": lineage.format(kinds=KINDS, hops=3),
         "lineage": lineage.format(kinds=KINDS, hops=10000),
     }

@@ -308,8 +308,13 @@ def _ts(micros: np.ndarray) -> pa.Array:
     return pa.array(micros.astype(np.int64), pa.int64()).cast(pa.timestamp("us", tz="UTC"))
 
 
+#: Columns trellisdb sets itself (the insertion order): an ingest may not give them.
+SYSTEM_COLUMNS = {"born", "ordinal"}
+
+
 def _table(name: str, dim: int, cols: dict[str, Any], n: int) -> pa.Table:
-    sch = table_schema(name, dim)
+    full = table_schema(name, dim)
+    sch = pa.schema([f for f in full if f.name not in SYSTEM_COLUMNS])
     arrays = []
     for f in sch:
         if f.name == "commit_id":

@@ -65,7 +65,7 @@ def test_meta_from_transaction_flush_and_ingest_is_queryable_and_durable(tmp_pat
     ],
 )
 def test_bad_meta_is_refused_and_nothing_is_committed(tmp_path: Path, meta: object, says: str) -> None:
-    db = trellisdb.connect(tmp_path / "db")
+    db = trellisdb.connect(tmp_path / "db", commit_delay=60)  # no timer commits the pending node meanwhile
     db.add_task("t")
     db.flush()
     before = len(db.log())

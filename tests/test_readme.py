@@ -78,3 +78,41 @@ def test_training_data_example(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
     manifest = json.loads((tmp_path / "out" / "pairs" / "manifest.json").read_text())
     assert manifest["rows"] == 5 and manifest["view"] == "pairs"
     db.close()
+
+
+SHARED = Path(__file__).resolve().parents[2] / "shared" / "data" / "openevolve-circle-packing"
+
+
+@pytest.mark.skipif(not SHARED.is_dir(), reason=f"the shared OpenEvolve run is not at {SHARED}")
+def test_import_a_run_example(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The README's import command, then its queries, answer checkpoint 50 as the files say."""
+    import ast
+    import json
+
+    from trellisdb.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    assert main(["--db", "./evolve.db", "import", "openevolve", str(SHARED), "--no-progress"]) == 0
+    scope: dict[str, object] = {}
+    exec(compile(example("Import a run"), "README.md", "exec"), scope)
+    ck = SHARED / "checkpoints" / "checkpoint_50"
+    meta = json.loads((ck / "metadata.json").read_text())
+
+    def listed(v: object) -> list[str]:
+        return list(ast.literal_eval(v) if isinstance(v, str) else v)  # type: ignore[arg-type]
+
+    files = {p.stem for p in (ck / "programs").glob("*.json")}
+    assert {r["id"] for r in scope["population"]} == files  # type: ignore[attr-defined]
+    assert [r["id"] for r in scope["best"]] == [meta["best_program_id"]]  # type: ignore[attr-defined]
+    assert {r["id"] for r in scope["island_1"].to_pylist()} == set(listed(meta["islands"])[1])  # type: ignore[attr-defined]
+    assert {r["id"] for r in scope["archive"].to_pylist()} == set(listed(meta["archive"])) & files  # type: ignore[attr-defined]
+    assert scope["state"] == [{"best": meta["best_program_id"]}]
+    chain, node = [], meta["best_program_id"]
+    while node is not None and (SHARED / "checkpoints" / "checkpoint_50" / "programs" / f"{node}.json").exists():
+        chain.append(node)
+        node = json.loads((ck / "programs" / f"{node}.json").read_text()).get("parent_id")
+    got = [r["id"] for r in scope["lineage"].to_pylist()]  # type: ignore[attr-defined]
+    assert got[: len(chain)] == chain[: len(got)] and got[0] == meta["best_program_id"]
+    islands = {r["island"] for r in scope["per_island"].to_pylist()}  # type: ignore[attr-defined]
+    assert len(islands) == len(scope["per_island"].to_pylist())  # one per island  # type: ignore[attr-defined]
+    scope["db"].close()  # type: ignore[attr-defined]

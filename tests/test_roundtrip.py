@@ -13,7 +13,8 @@ import pytest
 
 import trellisdb
 
-TABLES = ("tasks", "sessions", "nodes", "edges", "artifacts", "node_artifacts", "rewards", "comparisons")
+TABLES = ("tasks", "sessions", "nodes", "edges", "artifacts", "node_artifacts", "rewards", "comparisons",
+          "attributes", "labels")
 
 
 def sha(data: bytes) -> str:
@@ -49,6 +50,8 @@ def build_graph(db: trellisdb.Database) -> dict[str, object]:
         cmp1 = s.add_comparison(a, b, b, margin=0.25, judge="llm-judge", id="cmp1")
         cmp2 = s.add_comparison(b, c, None)
         s.set_status(root, "expanded")
+        s.set_attrs(a, {"island": 1, "cell": "x"})
+        s.label([a, c], "archive")
     after = dt.datetime.now(dt.UTC)
     return {"gen": gen, "blob": blob, "prompt": prompt, "cmp1": cmp1, "cmp2": cmp2, "before": before, "after": after}
 
@@ -82,7 +85,7 @@ def test_session_api_round_trips_every_table(db: trellisdb.Database) -> None:
     assert before <= sessions[0].pop("created_at") <= after  # type: ignore[operator]
     assert sessions[0] == {"id": "s1", "task_id": "pack", "agent": "evolve", "model": "o4-mini",
                            "config": json.dumps({"islands": 2, "pop": 10}, sort_keys=True),
-                           "status": "completed"}
+                           "status": "completed", "event_time": None}
     assert json.loads(sessions[0]["config"]) == {"pop": 10, "islands": 2}  # type: ignore[arg-type]
 
     nodes = {r["id"]: r for r in rows(db, "SELECT * EXCLUDE (commit_id) FROM nodes_full")}
@@ -90,14 +93,20 @@ def test_session_api_round_trips_every_table(db: trellisdb.Database) -> None:
     assert rows(db, "SELECT * FROM nodes ORDER BY id") == rows(db, "SELECT * EXCLUDE (embedding) FROM nodes_full ORDER BY id")
     assert "embedding" not in db.sql("SELECT * FROM nodes_history").to_arrow().column_names
     assert set(nodes) == {"root", "a", "b", "c", gen}
+    order = {}
     for r in nodes.values():
         assert before <= r.pop("created_at") <= after  # type: ignore[operator]
+        order[r["id"]] = r.pop("seq")
+        del r["born"], r["ordinal"]
+    assert sorted(order, key=order.__getitem__) == ["root", "a", "b", "c", gen]  # the insertion order
+    step = {"event_time": None, "action": None, "state": None}
     assert nodes["root"] == {
         "id": "root", "session_id": "s1", "task_id": "pack", "kind": "attempt", "step": 1, "status": "expanded",
         "summary": "initial program", "tokens_in": 100, "tokens_out": 250, "seconds": 1.5, "usd": 0.125,
-        "source": "unit-test", "embedding": [0.5, -0.25, 0.125, 4.0],
+        "source": "unit-test", "embedding": [0.5, -0.25, 0.125, 4.0], **step,
     }
-    empty = {"tokens_in": None, "tokens_out": None, "seconds": None, "usd": None, "source": None, "embedding": None}
+    empty = {"tokens_in": None, "tokens_out": None, "seconds": None, "usd": None, "source": None, "embedding": None,
+             **step}
     assert nodes["a"] == {"id": "a", "session_id": "s1", "task_id": "pack", "kind": "attempt", "step": 2,
                           "status": "pending", "summary": "greedy", **empty}
     assert nodes["b"] == {"id": "b", "session_id": "s1", "task_id": "pack", "kind": "tool_call", "step": 3,
@@ -143,10 +152,12 @@ def test_session_api_round_trips_every_table(db: trellisdb.Database) -> None:
 
     rewards = rows(db, "SELECT * EXCLUDE (created_at, commit_id) FROM rewards ORDER BY node_id, channel")
     assert rewards == [
-        {"node_id": "a", "channel": "combined_score", "value": 0.75, "verifier": None, "verifier_version": None},
-        {"node_id": "a", "channel": "correct", "value": 1.0, "verifier": None, "verifier_version": None},
+        {"node_id": "a", "channel": "combined_score", "value": 0.75, "verifier": None, "verifier_version": None,
+         "event_time": None},
+        {"node_id": "a", "channel": "correct", "value": 1.0, "verifier": None, "verifier_version": None,
+         "event_time": None},
         {"node_id": "root", "channel": "combined_score", "value": 0.5, "verifier": "evaluator.py",
-         "verifier_version": "1.2"},
+         "verifier_version": "1.2", "event_time": None},
     ]
     assert isinstance(rewards[1]["value"], float)
 
@@ -154,8 +165,16 @@ def test_session_api_round_trips_every_table(db: trellisdb.Database) -> None:
     cmp2 = info["cmp2"]
     assert isinstance(cmp2, str) and re.fullmatch(r"[0-9a-f]{24}", cmp2)
     assert rows(db, "SELECT * EXCLUDE (commit_id) FROM comparisons ORDER BY a") == [
-        {"id": "cmp1", "a": "a", "b": "b", "preferred": "b", "margin": 0.25, "judge": "llm-judge"},
-        {"id": cmp2, "a": "b", "b": "c", "preferred": None, "margin": None, "judge": None},
+        {"id": "cmp1", "a": "a", "b": "b", "preferred": "b", "margin": 0.25, "judge": "llm-judge", "event_time": None},
+        {"id": cmp2, "a": "b", "b": "c", "preferred": None, "margin": None, "judge": None, "event_time": None},
+    ]
+    assert rows(db, "SELECT scope, entity, key, value FROM attributes ORDER BY key") == [
+        {"scope": "node", "entity": "a", "key": "cell", "value": '"x"'},
+        {"scope": "node", "entity": "a", "key": "island", "value": "1"},
+    ]
+    assert rows(db, "SELECT node_id, label, present, session_id FROM labels ORDER BY node_id") == [
+        {"node_id": "a", "label": "archive", "present": True, "session_id": "s1"},
+        {"node_id": "c", "label": "archive", "present": True, "session_id": "s1"},
     ]
 
 
@@ -285,11 +304,12 @@ def test_ingest_round_trips_every_table_in_one_commit(db: trellisdb.Database) ->
     assert rows(db, "SELECT id, task_id, agent, model, config, status, created_at FROM sessions WHERE id = 'sb'") == [
         {"id": "sb", "task_id": "bulk", "agent": "importer", "model": None, "config": None, "status": "completed",
          "created_at": None}]
-    got_nodes = rows(db, "SELECT * EXCLUDE (commit_id) FROM nodes_full WHERE session_id = 'sb' ORDER BY id")
+    got_nodes = rows(db, "SELECT * EXCLUDE (commit_id, seq) FROM nodes_full WHERE session_id = 'sb' ORDER BY id")
     assert got_nodes == [
         {"id": ids[i], "session_id": "sb", "task_id": "bulk", "kind": "attempt", "step": i, "status": "evaluated",
          "summary": f"s{i}", "tokens_in": i, "tokens_out": None, "seconds": None, "usd": i / 4, "source": None,
-         "embedding": [float(i), 0.5, -1.0, 0.25], "created_at": None}
+         "embedding": [float(i), 0.5, -1.0, 0.25], "created_at": None, "born": None, "ordinal": i, "event_time": None,
+         "action": None, "state": None}
         for i in range(n)
     ]
     assert db.sql("SELECT embedding FROM nodes_full").to_arrow().schema.field("embedding").type == pa.list_(pa.float32(), 4)
@@ -305,7 +325,7 @@ def test_ingest_round_trips_every_table_in_one_commit(db: trellisdb.Database) ->
     assert rows(db, "SELECT sum(value) AS s, count(*) AS n, min(verifier) AS v FROM rewards") == [
         {"s": sum(i / 8 for i in range(n)), "n": n, "v": "bulk"}]
     assert rows(db, "SELECT * EXCLUDE (commit_id) FROM comparisons") == [
-        {"id": "k1", "a": "n01", "b": "old", "preferred": "n01", "margin": 0.5, "judge": None}]
+        {"id": "k1", "a": "n01", "b": "old", "preferred": "n01", "margin": 0.5, "judge": None, "event_time": None}]
     # the session API keeps working on top of ingested data
     w = db.resume("sb")
     child = w.add_node(parents=["n19"], summary="after ingest")
@@ -335,7 +355,7 @@ def test_reopen_keeps_everything(db: trellisdb.Database, tmp_path: Path) -> None
         assert rows(again, "SELECT id, status FROM nodes WHERE id = 'root'") == [{"id": "root", "status": "expanded"}]
         counts = {t: rows(again, f"SELECT count(*) AS n FROM {t}")[0]["n"] for t in TABLES}
         assert counts == {"tasks": 1, "sessions": 1, "nodes": 5, "edges": 7, "artifacts": 3, "node_artifacts": 4,
-                          "rewards": 3, "comparisons": 2}
+                          "rewards": 3, "comparisons": 2, "attributes": 2, "labels": 2}
         assert rows(again, "SELECT embedding FROM nodes_full WHERE id = 'root'") == [{"embedding": [0.5, -0.25, 0.125, 4.0]}]
         # writing continues on the reopened database, against nodes committed before
         w = again.resume("s1")

@@ -180,7 +180,7 @@ def test_graph_statements_plan_as_before() -> None:
     q = parse("SIBLINGS OF 'a' WHERE step > 1")
     plan = P.build(Bound(q, q.statement, 2))  # type: ignore[arg-type]
     assert plan.pretty().splitlines() == [
-        "Sort shared_parent, then commit_id, id",
+        "Sort shared_parent, then seq, id",
         "  Filter (step > 1)",
         "    Derive ",
         "      Siblings of 'a' via  as of commit 2",

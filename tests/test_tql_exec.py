@@ -40,8 +40,8 @@ def test_frontier_default_expanded_rank_and_ties(g: trellisdb.Database) -> None:
     # expanded: r, a, b have children; frontier = c, d, e, x
     assert ids(g.query("FRONTIER RANK BY reward('score') DESC")) == ["e", "c", "x", "d"]
     assert ids(g.query("FRONTIER FROM SESSION 's1' RANK BY reward('score') DESC LIMIT 2")) == ["e", "c"]
-    # no rank: ties break by commit, then id
-    assert ids(g.query("FRONTIER")) == ["c", "d", "x", "e"]
+    # no rank: ties break by insertion order (d was written before c, in the same commit), then id
+    assert ids(g.query("FRONTIER")) == ["d", "c", "x", "e"]
     # the definition of expanded can be overridden
     assert ids(g.query("FRONTIER EXPANDED WHEN reward('score') < 0.6 RANK BY reward('score') DESC")) == [
         "e", "c", "x", "b"]
@@ -72,8 +72,8 @@ def test_lineage_siblings_subtree_path(g: trellisdb.Database) -> None:
                                {"id": "r", "hop": 2}]
     assert ids(g.query("LINEAGE OF 'c' ANCESTORS 1")) == ["c", "a", "b"]
     assert ids(g.query("LINEAGE OF 'c' ANCESTORS VIA derived_from")) == ["c"]
-    assert ids(g.query("LINEAGE OF 'r' DESCENDANTS")) == ["r", "a", "b", "c", "d", "e"]
-    assert ids(g.query("SUBTREE OF 'a' WHERE hop > 0")) == ["c", "d"]
+    assert ids(g.query("LINEAGE OF 'r' DESCENDANTS")) == ["r", "a", "b", "d", "c", "e"]  # by hop, then written
+    assert ids(g.query("SUBTREE OF 'a' WHERE hop > 0")) == ["d", "c"]  # d was written first
     assert g.query("SIBLINGS OF 'a' RETURN id, shared_parent").to_pylist() == [{"id": "b", "shared_parent": "r"}]
     assert ids(g.query("SIBLINGS OF 'c'")) == ["d", "e"]
     path = g.query("PATH FROM 'r' TO 'e' RETURN id, hop")
@@ -107,7 +107,7 @@ def test_as_of_sees_exactly_that_commit(g: trellisdb.Database) -> None:
     stamp = t.isoformat()
     assert ids(g.query(f"SIBLINGS OF 'a' AS OF TIMESTAMP '{stamp}'")) == ["b"]
     assert ids(g.query("NODES AS OF TIMESTAMP $t", t=t - dt.timedelta(days=1))) == []
-    # STEP k OF SESSION: the commit that recorded that step
+    # STEP k OF SESSION: the commit at which that step was complete (test_tql_aggregates.py has the details)
     step_e = g.query("NODES WHERE id = 'e' RETURN step").to_pylist()[0]["step"]
     assert "e" not in ids(g.query(f"NODES AS OF STEP {step_e - 1} OF SESSION 's1'"))
     assert "e" in ids(g.query(f"NODES AS OF STEP {step_e} OF SESSION 's1'"))

@@ -33,7 +33,14 @@ def test_grammar_is_packaged_and_loaded_from_there() -> None:
 def test_keywords_are_case_insensitive_and_names_may_look_like_keywords() -> None:
     q = parse("frontier where step > 1 and status != 'done' rank by reward('s') desc per parent 2 limit 3")
     assert isinstance(q.statement, A.Frontier)
-    assert q.statement.diversity == A.Diversity("parent", A.Literal(2, q.statement.diversity.k.span))  # type: ignore[union-attr]
+    d = q.statement.diversity
+    assert d is not None and isinstance(d.per, A.Column) and d.per.name == "parent"  # PER PARENT is PER parent
+    assert d.k == A.Literal(2, d.k.span)
+    d = parse("FRONTIER PER session 1").statement.diversity  # type: ignore[union-attr]
+    assert d is not None and isinstance(d.per, A.Column) and d.per.name == "session_id"
+    # any expression, then k
+    d = parse("FRONTIER RANK BY step PER step % 3 $k").statement.diversity  # type: ignore[union-attr]
+    assert d is not None and show(d.per) == "(step % 3)" and d.k == A.Param("k", d.k.span)
     # 'step' and 'parent' are keywords of AS OF STEP / PER PARENT, and also column names
     q = parse("NODES WHERE parent = 'x' ORDER BY step RETURN step, parent AS p AS OF STEP 3 OF SESSION 's'")
     assert isinstance(q.statement, A.Select)

@@ -659,11 +659,13 @@ def test_openevolve_sibling_preferences(tmp_path: Path) -> None:
     m = db.export("oe", tmp_path / "oe", "trl", skip_missing=True)
     lines = read_jsonl(tmp_path / "oe" / "train.jsonl")
     assert len(lines) == m["rows"] and all(r["chosen"][0]["role"] == "assistant" for r in lines)
-    # GRPO groups: the children of each parent with their combined scores
+    # GRPO groups: the children of each parent with their combined scores, in the order they were written
     db.create_view("oeg", "grpo", reward="reward('combined_score')")
     db.materialize("oeg")
+    written = {r["id"]: i for i, r in enumerate(db.sql("SELECT id FROM nodes ORDER BY seq").to_pylist())}
     for r in db.view("oeg").to_pylist():
-        kids = sorted(c for c, p in parent.items() if p == r["group_key"] and score[c] is not None)
+        kids = sorted((c for c, p in parent.items() if p == r["group_key"] and score[c] is not None),
+                      key=written.__getitem__)
         assert r["node_ids"] == kids
         assert r["rewards"] == pytest.approx([score[c] for c in kids])
     # SFT paths: the best programs with the chain of programs they were evolved from

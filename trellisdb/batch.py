@@ -30,6 +30,11 @@ class Batch:
     writers: set[str | None] = field(default_factory=set)
     #: set by the commit once its commit record is durable
     commit_id: int | None = None
+    #: the next node's ``ordinal`` (its position among the nodes first written by this batch)
+    next_ordinal: int = 0
+    #: nodes first written by another pending batch (committed before this one) whose rows this
+    #: batch rewrites: their ``born`` is that batch's commit id, known once it commits
+    born_in: dict[str, Batch] = field(default_factory=dict)
 
     def __len__(self) -> int:
         return sum(len(r) for r in self.rows.values()) + sum(len(i) for c in self.vectors.values() for i, _ in c)
@@ -43,6 +48,13 @@ class Batch:
             cols = [pa.array(ids, pa.string()), vector_column(mat), pa.array(np.full(len(ids), commit_id, np.int64))]
             out[name] = pa.Table.from_arrays(cols, schema=space_schema(mat.shape[1]))
         return out
+
+    def settle_born(self) -> None:
+        """Set ``born`` of the rows that rewrite nodes another batch first wrote (it has committed)."""
+        for node_id, other in self.born_in.items():
+            row = self.nodes.get(node_id)
+            if row is not None and row.get("born") is None and other.commit_id is not None:
+                row["born"] = other.commit_id
 
     def latest_rows(self) -> dict[str, list[dict[str, Any]]]:
         """The rows per table, the last write of each key only: two writes to one key in one

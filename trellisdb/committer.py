@@ -45,7 +45,7 @@ from trellisdb.errors import (
     UnknownTagError,
     ValidationError,
 )
-from trellisdb.membership import Fingerprints
+from trellisdb.membership import Fingerprints, id_hash
 from trellisdb.names import check_name, check_text, did_you_mean
 from trellisdb.rules import commit_meta
 from trellisdb.schema import DATA_TABLES
@@ -69,6 +69,9 @@ CHECKPOINT_BYTES = 32 << 20
 CHECKPOINT_COMMITS = 2000
 #: ... or once no commit came for this many seconds.
 CHECKPOINT_DELAY = 1.0
+#: The columns of a node's latest row that a rewrite (a status change) copies: ``born`` resolved
+#: to the commit that first wrote the node, so the rewrite keeps the node's insertion order.
+_REWRITE = "* EXCLUDE (commit_id, born, seq), coalesce(born, commit_id) AS born"
 #: Artifact hashes confirmed stored, kept to answer repeated duplicates without a query.
 KNOWN_HASHES = 4096
 
@@ -94,6 +97,13 @@ def _no_tables() -> set[str]:
 
 def _nothing(data: Mapping[str, pa.Table]) -> None:
     return None
+
+
+def _has_vectors(extra: Mapping[str, pa.Table] | None) -> bool:
+    """Whether an ingest brings vectors (an ``embedding`` column with values): those go to Lance
+    at once, where index upkeep (started after the commit) reads them."""
+    return any("embedding" in t.column_names and t.column("embedding").null_count < t.num_rows
+               for t in (extra or {}).values())
 
 
 class Committer:
@@ -139,6 +149,11 @@ class Committer:
         self._fp_upto = -1
         self._fp_own: set[int] = set()
         self._fp_lock = threading.Lock()
+        #: fingerprints of every committed node id (``membership.id_hash``), as of commit
+        #: ``_nfp_upto`` (-1: not loaded): an explicit id not among them is new, with no query
+        self._node_fps = Fingerprints()
+        self._nfp_upto = -1
+        self._nfp_lock = threading.Lock()
         self._last_cleanup = time.monotonic()
         self._cleanup_thread: threading.Thread | None = None
         self.closed = False
@@ -295,12 +310,16 @@ class Committer:
         meta: dict[str, Any] | None = None,
     ) -> int:
         s = self.store
+        batch.settle_born()
         latest = batch.latest_rows()
         vectors = batch.vector_tables(0)  # commit_id: set below, or taken from the frame's id
-        rows = sum(len(r) for r in latest.values()) + sum(t.num_rows for t in vectors.values())
-        small = not extra and rows <= self.wal_max_rows and batch.approx_bytes() <= self.wal_max_bytes
-        # encoded before the lock is taken: writers in other threads and processes wait only for the append
-        payload = Payload.of(latest, vectors) if small else None
+        whole = {**vectors, **(extra or {})}  # tables an ingest brought whole (their commit_id set the same way)
+        rows = sum(len(r) for r in latest.values()) + sum(t.num_rows for t in whole.values())
+        small = rows <= self.wal_max_rows and batch.approx_bytes() + sum(
+            t.nbytes for t in (extra or {}).values()) <= self.wal_max_bytes and not _has_vectors(extra)
+        # encoded before the lock is taken: writers in other threads and processes wait only for the append.
+        # A small ingest goes to the WAL too (its tables as Arrow IPC): one fsync, no Lance append per table
+        payload = Payload.of(latest, whole) if small else None
         with s.lock.held():
             mark = s.log.repair_tail()  # refuses when the log lost acknowledged records; reads the log
             st = s.log.state
@@ -343,6 +362,8 @@ class Committer:
             if self._fp_upto >= 0:
                 with self._fp_lock:
                     self._fingerprints.add_hashes(batch.hashes)
+                    if extra and "artifacts" in extra:  # an ingest's artifacts: not in the batch
+                        self._fingerprints.add_hashes(extra["artifacts"].column("hash").to_pylist())
                     self._fp_own.add(cid)
         if payload is not None:
             self._after_wal_commit()
@@ -586,14 +607,12 @@ class Committer:
             todo = [i for i in ids if i not in out]
             if len(todo) == 1:
                 rows = self.lookup(
-                    "SELECT * EXCLUDE (commit_id) FROM nodes_full_history WHERE id = $1 "
-                    "ORDER BY commit_id DESC LIMIT 1",
+                    f"SELECT {_REWRITE} FROM nodes_full_history WHERE id = $1 ORDER BY commit_id DESC LIMIT 1",
                     todo,
                 )
             elif todo:
                 rows = self.lookup(
-                    "SELECT * EXCLUDE (commit_id) FROM nodes_full_history "
-                    "WHERE id IN (SELECT unnest($1::VARCHAR[])) "
+                    f"SELECT {_REWRITE} FROM nodes_full_history WHERE id IN (SELECT unnest($1::VARCHAR[])) "
                     "QUALIFY row_number() OVER (PARTITION BY id ORDER BY commit_id DESC) = 1",
                     [todo],
                 )
@@ -610,6 +629,10 @@ class Committer:
                 if node_id in b.added:
                     parents = {e["src"] for e in b.rows["edges"] if e["dst"] == node_id and e["kind"] == edge_kind}
                     return b.nodes[node_id], parents
+            with self._nfp_lock:
+                self._catch_up_node_fingerprints()
+                if not self._node_fps.may_contain(id_hash(node_id)):
+                    return None  # a new id (the common case): answered from memory
             rows = self.lookup("SELECT * FROM nodes_full_history WHERE id = $1 ORDER BY commit_id LIMIT 1", [node_id])
             if not rows:
                 return None
@@ -659,8 +682,7 @@ class Committer:
                         break
                     in_wal[frames[k].id] = frames[k]
             if all(i in in_wal for i in others):
-                self._fingerprints.add_hashes(r["hash"] for i in others
-                                              for r in in_wal[i].rows().get("artifacts", ()))
+                self._fingerprints.add_hashes(h for i in others for h in in_wal[i].values("artifacts", "hash"))
                 since = None
             else:
                 since = self._fp_upto
@@ -671,6 +693,40 @@ class Committer:
             self._fingerprints.add_array(t.column("f").drop_null())
         self._fp_upto = last
         self._fp_own = {i for i in self._fp_own if i > last}
+
+    def _catch_up_node_fingerprints(self) -> None:
+        """Extend the node-id fingerprints by the commits made since the last look, this
+        writer's included (caller holds ``_nfp_lock``); the first call loads them all. The log
+        is re-read first, as a query would: an id another writer committed must be found.
+        Commits still in the WAL are read from its frames in memory (rows and a small ingest's
+        tables; this writer's own as written); otherwise (a big commit went to Lance, or a
+        checkpoint came since the last look) one query reads the ids committed since."""
+        st = self.reads.state()
+        last = st.last_committed
+        if self._nfp_upto >= last:
+            return
+        since: int | None = -1
+        if self._nfp_upto >= 0:
+            new = [i for i in range(self._nfp_upto + 1, last + 1) if i in st.commits]
+            wal = st.wal
+            in_wal: dict[int, Frame] = {}
+            if new and new[0] > wal.upto:
+                frames = wal.frames
+                for k in range(len(frames) - 1, -1, -1):  # the newest frames, back to the last look
+                    if frames[k].id <= self._nfp_upto:
+                        break
+                    in_wal[frames[k].id] = frames[k]
+            if all(i in in_wal for i in new):
+                self._node_fps.add_hashes(id_hash(v) for i in new for v in in_wal[i].values("nodes", "id"))
+                since = None
+            else:
+                since = self._nfp_upto
+        if since is not None:
+            t = self.reads.at_commit(last, st).execute(
+                "SELECT TRY_CAST('0x' || md5(id)[1:16] AS UBIGINT) AS f FROM nodes_history "
+                "WHERE commit_id > $1", [since], tables=("nodes",))
+            self._node_fps.add_array(t.column("f").drop_null())
+        self._nfp_upto = last
 
     def session_row(self, session_id: str) -> dict[str, Any] | None:
         """The latest row of a session (pending or committed), or None."""

@@ -189,6 +189,8 @@ class Database:
         config: Mapping[str, Any] | str | None = None,
         id: str | None = None,
         task_spec: str | None = None,
+        at: object = None,
+        attrs: Mapping[str, Any] | None = None,
     ) -> SessionWriter:
         """Start a session of ``agent`` on ``task`` (created if new); returns its writer.
 
@@ -198,9 +200,11 @@ class Database:
         counter where it stopped) if ``task``, and ``agent``, ``model`` and
         ``config`` where given, are its own; otherwise it is an error (use
         :meth:`resume`, or a new id): a session is never silently rewritten.
+        ``at`` is its event time (when it started in the agent's world), ``attrs``
+        its attributes (see :meth:`set_attrs`).
         """
         return writer.open_session(self._committer, task=task, agent=agent, model=model, config=config, id=id,
-                                   task_spec=task_spec)
+                                   task_spec=task_spec, at=at, attrs=attrs)
 
     def resume(self, session_id: str) -> SessionWriter:
         """A writer for an existing session (e.g. after the agent restarted)."""
@@ -212,6 +216,29 @@ class Database:
         when it says the same, and an error when it says something else (a task is never
         silently rewritten)."""
         return writer.add_task(self._committer, id, name=name, spec=spec, tags=tags, embedding=embedding)
+
+    def set_attrs(self, entity: str, attrs: Mapping[str, Any], *, scope: str = "node", at: object = None) -> None:
+        """Set attributes (JSON values by key; ``None`` retracts a key) of a node, or of a
+        session or task with ``scope``; commit-stamped like every fact. See
+        ``docs/data-model.md``; a session's writer has the same method.
+
+        >>> import tempfile, trellisdb
+        >>> db = trellisdb.connect(tempfile.mkdtemp() + "/db", embedding_dim=4)
+        >>> with db.session(task="t") as s:
+        ...     n = s.add_node(attrs={"island": 1})
+        >>> db.set_attrs(n, {"island": 2, "migrant": True}); _ = db.flush()
+        >>> db.query("NODES WHERE attr('island') = 2 RETURN attr('migrant') AS m").to_pylist()
+        [{'m': True}]
+        """
+        writer.write_attrs(self._committer, scope, entity, attrs, at, None)
+
+    def label(self, node_ids: str | Sequence[str], *labels: str, at: object = None) -> None:
+        """Give nodes memberships (see ``SessionWriter.label``)."""
+        writer.write_labels(self._committer, node_ids, labels, True, at, None)
+
+    def unlabel(self, node_ids: str | Sequence[str], *labels: str, at: object = None) -> None:
+        """Remove memberships (see ``SessionWriter.unlabel``)."""
+        writer.write_labels(self._committer, node_ids, labels, False, at, None)
 
     def in_transaction(self) -> bool:
         return self._committer.in_transaction()

@@ -165,3 +165,8 @@ class EmptySpaceError(QueryError):
 
 class ExportError(TrellisError):
     """An export that cannot be written as asked: missing texts, or a path that exists."""
+
+
+class ImportFormatError(ValidationError):
+    """A file of a run being imported that its format's reader cannot read as that format; the
+    message names the file (and line). Nothing of the unit holding it was written."""

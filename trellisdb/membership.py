@@ -16,6 +16,7 @@ only hits in practice, are cached by the caller).
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterable
 
 import numpy as np
@@ -28,6 +29,16 @@ MERGE_AT = 1 << 14
 def fingerprint(h: str) -> int:
     """The 64-bit fingerprint of a hex sha256 hash."""
     return int(h[:16], 16)
+
+
+def id_hash(node_id: str) -> str:
+    """The hex md5 of a node id (its UTF-8 bytes), whose fingerprint stands for the id: in
+    DuckDB, ``TRY_CAST('0x' || md5(id)[1:16] AS UBIGINT)`` is the same number.
+
+    >>> fingerprint(id_hash("héllo"))
+    13713716259348172787
+    """
+    return hashlib.md5(node_id.encode("utf-8", "surrogatepass"), usedforsecurity=False).hexdigest()
 
 
 class Fingerprints:
@@ -54,7 +65,12 @@ class Fingerprints:
             self._merge(arr)
 
     def _merge(self, arr: np.ndarray) -> None:
-        self._sorted = np.union1d(self._sorted, arr).astype(np.uint64)
+        # a sort and a neighbour comparison: np.union1d (np.unique) is 20-40x slower on 10^5 values
+        m = np.concatenate((self._sorted, np.asarray(arr, np.uint64)))
+        m.sort()
+        if len(m) > 1:
+            m = m[np.concatenate(([True], m[1:] != m[:-1]))]
+        self._sorted = m
 
     def may_contain(self, h: str) -> bool:
         fp = fingerprint(h)

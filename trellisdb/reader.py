@@ -6,7 +6,9 @@ excluded until they are collected). For each table ``T`` the connection has:
 
 - ``T_history``: every visible row (all versions of every key);
 - ``T``: current state, the latest visible row per key (visible rows minus
-  the versions a later commit superseded, see ``SqlEngine._refresh``);
+  the versions a later commit superseded, see ``SqlEngine._refresh``), less the
+  keys whose latest row retracts them (``schema.HIDDEN``: attributes, labels);
+- ``nodes*`` also have ``seq``, the insertion order (``schema.SEQ_SQL``);
 - for ``nodes``, ``tasks`` (``embedding``) and ``artifacts`` (``content``),
   whose bulky column the two views above leave out, ``T_full_history`` and
   ``T_full`` with every column;
@@ -32,7 +34,7 @@ import pyarrow.compute as pc
 from trellisdb.errors import CorruptionError, QueryError, ValidationError
 from trellisdb.graph import Adjacency
 from trellisdb.names import utf8_problem
-from trellisdb.schema import COMMITS_SCHEMA, DATA_TABLES, KEYS
+from trellisdb.schema import COMMITS_SCHEMA, DATA_TABLES, HIDDEN, KEYS, SEQ_SQL
 from trellisdb.storage.log import LogState
 from trellisdb.storage.tables import LanceTables
 from trellisdb.storage.wal import WalView
@@ -611,6 +613,8 @@ class SqlEngine:
                 narrow = _narrow(name) + f" WHERE {visible}"
             history = {name: narrow, f"{name}_full": full} if name in WIDE else {name: narrow}
             for view, rows in history.items():
+                if name == "nodes":  # the insertion order, computed: a row cannot know its commit id
+                    rows = f"SELECT *, {SEQ_SQL} AS seq FROM ({rows})"
                 con.execute(f"CREATE OR REPLACE TEMP VIEW {view}_history AS {rows}")
                 if name in broken:  # unreadable now (a plain definition that fails clearly only when
                     # used), or never refreshed (correct, without the mirror's speed)
@@ -621,6 +625,8 @@ class SqlEngine:
                     current = f"SELECT h.* FROM {view}_history h ANTI JOIN {sup} s ON {on}"
                 else:  # nothing superseded (yet): current = visible, no join to pay
                     current = f"SELECT * FROM {view}_history"
+                if name in HIDDEN:  # the latest row of a key says it is gone: a retraction, a removal
+                    current = f"SELECT * FROM ({current}) WHERE NOT ({HIDDEN[name]})"
                 con.execute(f"CREATE OR REPLACE TEMP VIEW {view} AS {current}")
 
     def run(

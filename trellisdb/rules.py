@@ -21,6 +21,7 @@ which columns they cover.
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import math
 import numbers
@@ -54,7 +55,12 @@ NAME_COLUMNS: dict[str, tuple[str, ...]] = {
     "node_artifacts": ("node_id", "name", "hash"),
     "rewards": ("node_id", "channel", "verifier", "verifier_version"),
     "comparisons": ("id", "a", "b", "preferred", "judge"),
+    "attributes": ("scope", "entity", "key", "session_id"),
+    "labels": ("node_id", "label", "session_id"),
 }
+
+#: What an attribute may describe (``attributes.scope``).
+ATTRIBUTE_SCOPES: tuple[str, ...] = ("node", "session", "task")
 
 #: The fields of a node's ``cost`` (``add_node(cost={...})``): each is a column of ``nodes``.
 COST_FIELDS: tuple[str, ...] = ("tokens_in", "tokens_out", "seconds", "usd")
@@ -273,3 +279,81 @@ def _string_keys(value: object) -> None:
             stack.extend(v.values())
         elif isinstance(v, list | tuple):
             stack.extend(v)
+
+
+#: The most bytes one attribute value may take as JSON (bulky values are artifacts).
+ATTR_MAX_BYTES = 64 * 1024
+
+
+def attribute_value(key: str, value: object) -> dict[str, Any]:
+    """The stored columns of attribute ``key`` = ``value``: ``value`` (JSON text), ``num``
+    (numbers, not booleans), ``text`` (strings), ``retracted``. ``None`` retracts the key.
+
+    >>> attribute_value("island", 2)
+    {'value': '2', 'num': 2.0, 'text': None, 'retracted': False}
+    >>> attribute_value("cell", "a")["text"], attribute_value("gone", None)["retracted"]
+    ('a', True)
+    """
+    if value is None:
+        return {"value": None, "num": None, "text": None, "retracted": True}
+    what = f"attribute {key!r}"
+    text = _json_text(value, what, string_keys=True)
+    check_text(text, what)
+    if len(text.encode()) > ATTR_MAX_BYTES:
+        raise ValidationError(
+            f"{what} is {len(text.encode()):,} bytes as JSON; at most {ATTR_MAX_BYTES:,} are kept per attribute. "
+            "Store bulky values as an artifact of the node"
+        )
+    num = float(value) if isinstance(value, numbers.Real) and not isinstance(value, bool) else None
+    return {"value": text, "num": num, "text": value if isinstance(value, str) else None, "retracted": False}
+
+
+def attribute_columns(text: str | None) -> tuple[float | None, str | None]:
+    """``num`` and ``text`` of a stored JSON value (for rows that arrive as tables)."""
+    if text is None:
+        return None, None
+    v = json.loads(text)
+    num = float(v) if isinstance(v, int | float) and not isinstance(v, bool) else None
+    return num, v if isinstance(v, str) else None
+
+
+def event_time(value: object, what: str = "at") -> dt.datetime | None:
+    """An event time as stored (UTC): a timezone-aware ``datetime``, seconds since the Unix
+    epoch (int or float), or ISO-8601 text with an offset (``Z`` allowed). A time without a
+    timezone is refused: it would mean different instants on different machines.
+
+    >>> event_time(0)
+    datetime.datetime(1970, 1, 1, 0, 0, tzinfo=datetime.timezone.utc)
+    >>> event_time("2026-12-01T10:00:00Z").hour
+    10
+    """
+    if value is None:
+        return None
+    if isinstance(value, str):
+        check_text(value, what)
+        try:
+            value = dt.datetime.fromisoformat(value)
+        except ValueError:
+            raise ValidationError(
+                f"{what} {value!r} is not an ISO-8601 time; write e.g. '2026-12-01T10:00:00Z'"
+            ) from None
+    if isinstance(value, dt.datetime):
+        if value.tzinfo is None or value.utcoffset() is None:
+            raise ValidationError(
+                f"{what} {value.isoformat()!r} has no timezone; give one (e.g. datetime.timezone.utc, or 'Z')"
+            )
+        t = value.astimezone(dt.UTC)
+    elif isinstance(value, numbers.Real) and not isinstance(value, bool):
+        f = float(value)
+        if not math.isfinite(f):
+            raise ValidationError(f"{what} must be a finite number of seconds, got {value!r}")
+        try:
+            t = dt.datetime.fromtimestamp(f, dt.UTC)
+        except (OverflowError, OSError, ValueError):
+            raise ValidationError(f"{what} = {value!r} seconds is outside the years 1-9999") from None
+    else:
+        raise ValidationError(
+            f"{what} must be a timezone-aware datetime, seconds since the epoch, or ISO-8601 text; "
+            f"got {type(value).__name__}"
+        )
+    return t

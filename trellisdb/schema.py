@@ -16,7 +16,10 @@ import functools
 
 import pyarrow as pa
 
-FORMAT_VERSION = 1
+#: Version of the on-disk format. 2 added the columns of ``ADDED`` and the tables
+#: ``attributes`` and ``labels``; a version-1 store is upgraded in place when a writable
+#: handle opens it (``upgrade.py``: metadata-only, no row is rewritten).
+FORMAT_VERSION = 2
 
 TS = pa.timestamp("us", tz="UTC")
 
@@ -42,7 +45,7 @@ COMMIT_ID = _f("commit_id", pa.int64(), "id of the commit that wrote this row", 
 def table_schema(name: str, dim: int) -> pa.Schema:
     """The Arrow schema of table ``name`` for embedding dimension ``dim``."""
     fields = _FIELDS[name](dim)
-    return pa.schema([*fields, COMMIT_ID])
+    return pa.schema([*fields, COMMIT_ID, *ADDED.get(name, ())])
 
 
 def _tasks(dim: int) -> list[pa.Field]:
@@ -137,6 +140,30 @@ def _comparisons(dim: int) -> list[pa.Field]:
     ]
 
 
+def _attributes(dim: int) -> list[pa.Field]:
+    return [
+        _f("scope", pa.string(), "what the attribute describes: node | session | task", False),
+        _f("entity", pa.string(), "id of that node, session or task", False),
+        _f("key", pa.string(), "attribute name", False),
+        _f("value", pa.string(), "the value as JSON text (null once retracted)"),
+        _f("num", pa.float64(), "the value if it is a number (not a boolean), else null"),
+        _f("text", pa.string(), "the value if it is a string, else null"),
+        _f("retracted", pa.bool_(), "true: this row removes the attribute", False),
+        _f("session_id", pa.string(), "session that wrote the row, if one"),
+        _f("event_time", TS, "event time: when it became true in the agent's world (null: not given)"),
+    ]
+
+
+def _labels(dim: int) -> list[pa.Field]:
+    return [
+        _f("node_id", pa.string(), "labelled node", False),
+        _f("label", pa.string(), "membership name (population, island_2, archive, ...)", False),
+        _f("present", pa.bool_(), "true: the node has the label from this commit on; false: removed", False),
+        _f("session_id", pa.string(), "session that wrote the row, if one"),
+        _f("event_time", TS, "event time: when it became true in the agent's world (null: not given)"),
+    ]
+
+
 _FIELDS = {
     "tasks": _tasks,
     "sessions": _sessions,
@@ -146,7 +173,30 @@ _FIELDS = {
     "node_artifacts": _node_artifacts,
     "rewards": _rewards,
     "comparisons": _comparisons,
+    "attributes": _attributes,
+    "labels": _labels,
 }
+
+_AT = _f("event_time", TS, "event time: when it happened in the agent's world (null: not given); commit time is the commit's")
+
+#: Columns format version 2 added to version-1 tables. They follow ``commit_id`` so that a
+#: table upgraded in place (Lance appends added columns) and a new one have the same order.
+ADDED: dict[str, tuple[pa.Field, ...]] = {
+    "sessions": (_AT,),
+    "nodes": (
+        _f("born", pa.int64(), "commit that first wrote the node (null: this row's commit); rewrites keep it"),
+        _f("ordinal", pa.int64(), "position of the node among the nodes first written by that commit"),
+        _AT,
+        _f("action", pa.string(), "step records: the action taken (a command, a tool call)"),
+        _f("state", pa.string(), "step records: the state it was taken from (e.g. JSON of open file, cwd)"),
+    ),
+    "edges": (_AT,),
+    "rewards": (_AT,),
+    "comparisons": (_AT,),
+}
+
+#: Tables format version 1 did not have.
+NEW_TABLES: tuple[str, ...] = ("attributes", "labels")
 
 #: Tables stored as Lance datasets, in commit order.
 DATA_TABLES: tuple[str, ...] = tuple(_FIELDS)
@@ -161,7 +211,17 @@ KEYS: dict[str, tuple[str, ...]] = {
     "node_artifacts": ("node_id", "name"),
     "rewards": ("node_id", "channel"),
     "comparisons": ("id",),
+    "attributes": ("scope", "entity", "key"),
+    "labels": ("node_id", "label"),
 }
+
+#: Rows of the latest version of a key that the current-state view hides: a retracted
+#: attribute, a removed label (the history views keep them).
+HIDDEN: dict[str, str] = {"attributes": "retracted", "labels": "NOT present"}
+
+#: The insertion order of nodes (``seq`` in the views): first commit, then order within it.
+#: Status, attribute and label changes never move it.
+SEQ_SQL = "(coalesce(born, commit_id) * 4294967296 + coalesce(ordinal, 0))"
 
 COMMITS_SCHEMA = pa.schema(
     [

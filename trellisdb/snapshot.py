@@ -222,9 +222,25 @@ class Snapshot:
         return self._reads.names(table, col)
 
     def step_commit(self, session_id: str, step: int) -> int | None:
-        """The commit that first recorded step ``step`` of a session."""
+        """The commit at which step ``step`` of a session was complete (TQL's ``AS OF STEP k OF
+        SESSION s``, ``docs/tql.md``); None if the session has no node with that step.
+
+        Let ``later`` be the first commit that wrote a node of the session with a step above
+        ``step``. If every node of the step was written before it: the last commit before ``later``
+        that wrote a node of the session with a step up to ``step``, or a reward of one (every
+        flush of the step is visible, nothing of a later step). Otherwise (the step was finished
+        only in or after the commit that started a later one: one flush holding both, or steps
+        written out of order): the commit that wrote the step's last new node."""
         rows = self.rows(
-            "SELECT min(commit_id) AS c FROM nodes_history WHERE session_id = $1 AND step = $2", [session_id, step]
+            "WITH mine AS (SELECT id, step, commit_id FROM nodes_history WHERE session_id = $1), "
+            "done AS (SELECT max(first) AS c FROM (SELECT min(commit_id) AS first FROM mine WHERE step = $2 "
+            "GROUP BY id)), "
+            "later AS (SELECT min(commit_id) AS c FROM mine WHERE step > $2), "
+            "wrote AS (SELECT commit_id FROM mine WHERE step <= $2 UNION ALL SELECT commit_id FROM rewards_history "
+            "WHERE node_id IN (SELECT id FROM mine WHERE step <= $2)) "
+            "SELECT CASE WHEN done.c IS NULL THEN NULL WHEN later.c IS NOT NULL AND done.c >= later.c THEN done.c "
+            "ELSE (SELECT max(commit_id) FROM wrote WHERE later.c IS NULL OR commit_id < later.c) END AS c "
+            "FROM done, later", [session_id, step]
         )
         c = rows[0]["c"]
         return int(c) if c is not None else None

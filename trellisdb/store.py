@@ -15,6 +15,7 @@ views ``trellisdb/training/``; the facade (``trellisdb/database.py``) wires them
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 
@@ -26,10 +27,15 @@ from trellisdb.storage import recovery
 from trellisdb.storage.lock import WriterLock
 from trellisdb.storage.spaces import TEXT_COLUMN, SpaceRegistry
 from trellisdb.storage.tables import LanceTables
+from trellisdb.storage.upgrade import upgrade_tables
+
+_logger = logging.getLogger("trellisdb")
 
 MARKER = "trellis.json"
 SPACES_FILE = "spaces.json"
 DEFAULT_EMBEDDING_DIM = 384
+#: Format versions this release upgrades in place when a writable handle opens them.
+UPGRADABLE = (1,)
 
 #: What an interrupted ``init`` may have left in a folder (it is started again there).
 _OUR_FILES = {"tables", "commits.log", "LOCK", MARKER + ".tmp", SPACES_FILE}
@@ -44,6 +50,11 @@ def init_folder(path: str, dim: int) -> None:
     log_path = os.path.join(path, "commits.log")
     if not os.path.exists(log_path):
         commit_log.create(log_path)
+    write_marker(path, dim)
+
+
+def write_marker(path: str, dim: int) -> None:
+    """Write the marker file (format and version) atomically: a temporary file, then a rename."""
     tmp = os.path.join(path, MARKER + ".tmp")
     with open(tmp, "w") as fh:
         json.dump({"format": "trellisdb", "format_version": FORMAT_VERSION, "embedding_dim": dim}, fh)
@@ -86,7 +97,9 @@ class Store:
             raise CorruptionError(f"{marker} is unreadable ({e}); the database cannot be opened") from e
         if not isinstance(meta, dict) or meta.get("format") != "trellisdb":
             raise NotADatabaseError(f"{marker} does not describe a trellisdb database")
-        if meta.get("format_version") != FORMAT_VERSION:
+        if meta.get("format_version") in UPGRADABLE:
+            self._upgrade(meta)
+        elif meta.get("format_version") != FORMAT_VERSION:
             raise FormatVersionError(
                 f"{path} has format version {meta.get('format_version')!r}; this trellisdb reads version "
                 f"{FORMAT_VERSION}. Use the trellisdb release that wrote it, or export and re-import"
@@ -106,6 +119,24 @@ class Store:
         # ids used beyond the log (a damaged one) count as begun: the mirror leaves their fragments unsettled
         self.engine = SqlEngine(self.tables, lambda: max(self.log.refresh().max_id, self.guard.ceiling),
                                 mirror=mirror, keep_memory=keep_memory)
+
+    def _upgrade(self, meta: dict[str, object]) -> None:
+        """Upgrade a store of an earlier format in place (``storage/upgrade.py``); a read-only
+        handle cannot, and says how."""
+        if self.read_only:
+            raise FormatVersionError(
+                f"{self.path} has format version {meta.get('format_version')}, which this trellisdb upgrades to "
+                f"{FORMAT_VERSION} in place (columns added, no row rewritten) when a writable handle opens it; open "
+                "it once without read_only (e.g. `trellis verify`), then read-only"
+            )
+        dim = meta.get("embedding_dim")
+        if not isinstance(dim, int):
+            raise CorruptionError(f"{os.path.join(self.path, MARKER)} has no embedding_dim; it cannot be upgraded")
+        with self.lock.held():
+            done = upgrade_tables(LanceTables(os.path.join(self.path, "tables")), dim)
+            write_marker(self.path, dim)
+        _logger.info("upgraded %s to format version %d: %s", self.path, FORMAT_VERSION, "; ".join(done) or "nothing")
+        meta["format_version"] = FORMAT_VERSION
 
     def _create(self, marker: str, embedding_dim: int | None, create: bool) -> None:
         path = self.path

@@ -33,6 +33,7 @@ from trellisdb.errors import (
 from trellisdb.ids import new_id
 from trellisdb.names import check_name, check_text
 from trellisdb.rules import (
+    ATTRIBUTE_SCOPES,
     COST_FIELDS,
     NOT_PREFERRED,
     REWARD_NOT_A_NUMBER,
@@ -40,10 +41,12 @@ from trellisdb.rules import (
     SAME_NODES,
     SELF_LOOP,
     UNKNOWN_COST_FIELD,
+    attribute_value,
     check_edge_kind,
     check_embedding,
     check_number,
     config_text,
+    event_time,
 )
 
 if TYPE_CHECKING:
@@ -130,11 +133,22 @@ class SessionWriter:
         embedding: Sequence[float] | None = None,
         artifacts: Mapping[str, str | bytes] | None = None,
         source: str | None = None,
+        attrs: Mapping[str, Any] | None = None,
+        labels: Sequence[str] = (),
+        at: object = None,
+        action: str | None = None,
+        state: str | None = None,
     ) -> str:
         """Add a node (an attempt, step, tool call...) and its parent edges; return its id.
 
-        All or nothing: the node, its edges and its artifacts are staged together once every
-        value has passed its checks."""
+        ``attrs`` are its first attributes (see :meth:`set_attrs`), ``labels`` its first
+        memberships (see :meth:`label`), ``at`` its event time (when it happened in the
+        agent's world: an aware datetime, epoch seconds or ISO-8601 text; the commit keeps
+        the write time), ``action`` and ``state`` a step record's action and the state it
+        was taken from (queryable columns; embed them with a space whose ``text`` names them).
+
+        All or nothing: the node, its edges, artifacts, attributes and labels are staged
+        together once every value has passed its checks."""
         c = self._c
         node_id = check_name(id, "node id", optional=True) or new_id()
         check_name(kind, "kind")
@@ -161,6 +175,11 @@ class SessionWriter:
         if artifacts is not None and not isinstance(artifacts, Mapping):
             raise ValidationError(f"artifacts must be a mapping of role -> content, got {type(artifacts).__name__}")
         arts = [artifact(aname, content) for aname, content in (artifacts or {}).items()]
+        when = event_time(at)
+        check_text(action, "action")
+        check_text(state, "state")
+        attr_rows = attribute_rows("node", node_id, attrs, when, self.id)
+        label_rows = label_rows_for([node_id], labels, True, when, self.id)
         row = {
             "id": node_id,
             "session_id": self.id,
@@ -173,6 +192,11 @@ class SessionWriter:
             "source": source,
             "embedding": vec,
             "created_at": _now(),
+            "born": None,
+            "ordinal": None,
+            "event_time": when,
+            "action": action,
+            "state": state,
         }
         if id is not None:
             original = c.node_original(node_id, edge_kind)
@@ -192,27 +216,51 @@ class SessionWriter:
             )
         self._step = max(self._step, step_v)  # only a node actually written advances the counter
         with c.sink(self.id) as b:
+            row["ordinal"] = b.next_ordinal
+            b.next_ordinal += 1
             b.rows["nodes"].append(row)
             b.nodes[node_id] = row
             b.added.add(node_id)
             for p in parents:
-                b.rows["edges"].append({"src": p, "dst": node_id, "kind": edge_kind, "session_id": self.id})
+                b.rows["edges"].append({"src": p, "dst": node_id, "kind": edge_kind, "session_id": self.id,
+                                        "event_time": when})
             for a in arts:
                 self._stage_artifact(b, node_id, a)
+            b.rows["attributes"].extend(attr_rows)
+            b.rows["labels"].extend(label_rows)
         return node_id
 
-    def add_edge(self, src: str, dst: str, kind: str = "derived_from") -> None:
-        """Add a typed lineage edge ``src -> dst`` between existing nodes."""
+    def set_attrs(self, entity: str, attrs: Mapping[str, Any], *, scope: str = "node", at: object = None) -> None:
+        """Set attributes of a node (or, with ``scope``, of a session or task): JSON values by
+        key, commit-stamped like every fact (``AS OF`` sees the values of that moment). A key
+        set again supersedes its value; ``None`` retracts it. Queryable in TQL as
+        ``attr('key')`` and in SQL as the ``attributes`` table (``num`` for numbers, ``text``
+        for strings, ``value`` as JSON)."""
+        write_attrs(self._c, scope, entity, attrs, at, self.id)
+
+    def label(self, node_ids: str | Sequence[str], *labels: str, at: object = None) -> None:
+        """Give nodes memberships (``population``, ``island_2``, ``archive``...): several per node,
+        kept until :meth:`unlabel` removes them; ``AS OF`` sees the memberships of that moment.
+        TQL tests them with ``has_label('archive')``."""
+        write_labels(self._c, node_ids, labels, True, at, self.id)
+
+    def unlabel(self, node_ids: str | Sequence[str], *labels: str, at: object = None) -> None:
+        """Remove memberships given by :meth:`label` (a label a node does not have is ignored)."""
+        write_labels(self._c, node_ids, labels, False, at, self.id)
+
+    def add_edge(self, src: str, dst: str, kind: str = "derived_from", *, at: object = None) -> None:
+        """Add a typed lineage edge ``src -> dst`` between existing nodes (``at``: its event time)."""
         check_name(src, "edge source")
         check_name(dst, "edge target")
         check_edge_kind(kind)
+        when = event_time(at)
         if src == dst:
             raise SELF_LOOP.call(src=src, dst=dst)
         missing = self._c.missing_nodes([src, dst])
         if missing:
             raise UnknownNodeError(f"edge {src!r} -> {dst!r}: node {missing[0]!r} does not exist")
         with self._c.sink(self.id) as b:
-            b.rows["edges"].append({"src": src, "dst": dst, "kind": kind, "session_id": self.id})
+            b.rows["edges"].append({"src": src, "dst": dst, "kind": kind, "session_id": self.id, "event_time": when})
 
     def add_artifact(self, node_id: str, name: str, content: str | bytes, media_type: str | None = None) -> str:
         """Attach a content-addressed payload to a node; return its sha256 hash."""
@@ -239,8 +287,10 @@ class SessionWriter:
         *,
         verifier: str | None = None,
         verifier_version: str | None = None,
+        at: object = None,
     ) -> None:
-        """Record a reward; a later reward on the same (node, channel) supersedes it."""
+        """Record a reward; a later reward on the same (node, channel) supersedes it (``at``: its
+        event time, e.g. when the evaluation finished)."""
         check_name(node_id, "node id")
         check_name(channel, "reward channel")
         if isinstance(value, bool) or not isinstance(value, numbers.Real):
@@ -253,6 +303,7 @@ class SessionWriter:
             raise REWARD_NOT_FINITE.call(channel=channel, node_id=node_id, value=v)
         check_name(verifier, "verifier", optional=True)
         check_name(verifier_version, "verifier_version", optional=True)
+        when = event_time(at)
         if self._c.missing_nodes([node_id]):
             raise UnknownNodeError(f"reward {channel!r}: node {node_id!r} does not exist")
         with self._c.sink(self.id) as b:
@@ -264,6 +315,7 @@ class SessionWriter:
                     "verifier": verifier,
                     "verifier_version": verifier_version,
                     "created_at": _now(),
+                    "event_time": when,
                 }
             )
 
@@ -276,6 +328,7 @@ class SessionWriter:
         margin: float | None = None,
         judge: str | None = None,
         id: str | None = None,
+        at: object = None,
     ) -> str:
         """Record a pairwise judgment; ``preferred`` is ``a``, ``b`` or None for a tie.
 
@@ -294,6 +347,7 @@ class SessionWriter:
             "preferred": preferred,
             "margin": check_number("comparisons", "margin", margin, "margin"),
             "judge": check_name(judge, "judge", optional=True),
+            "event_time": event_time(at),
         }
         missing = self._c.missing_nodes([a, b])
         if missing:
@@ -301,7 +355,7 @@ class SessionWriter:
         if id is not None:
             old = self._c.comparison_row(comparison_id)
             if old is not None:
-                if any(old.get(k) != v for k, v in row.items()):
+                if any(old.get(k) != v for k, v in row.items() if k != "event_time"):
                     raise DuplicateIdError(
                         f"comparison id {id!r} already exists with another judgment ({old['a']!r} vs {old['b']!r}, "
                         f"preferred {old['preferred']!r}); use a new id, or omit id="
@@ -363,11 +417,14 @@ def open_session(
     config: Mapping[str, Any] | str | None = None,
     id: str | None = None,
     task_spec: str | None = None,
+    at: object = None,
+    attrs: Mapping[str, Any] | None = None,
 ) -> SessionWriter:
     """Start (or reopen, with the same identity) a session; see :meth:`Database.session`."""
     c.store.writable("session")
     check_name(task, "task id")
     sid = check_name(id, "session id", optional=True) or new_id()
+    when = event_time(at)
     row = {
         "id": sid,
         "task_id": task,
@@ -376,8 +433,10 @@ def open_session(
         "config": config_text(config),
         "status": "running",
         "created_at": _now(),
+        "event_time": when,
     }
     check_text(task_spec, "task spec")
+    attr_rows = attribute_rows("session", sid, attrs, when, sid)
     old = c.session_row(sid) if id is not None else None
     if old is not None:
         given = {k: v for k, v in row.items() if k in ("task_id", "agent", "model", "config") and
@@ -389,13 +448,15 @@ def open_session(
                 f"{', '.join(repr(given[k]) for k in diff)}; continue it with db.resume({sid!r}) or choose "
                 "another id"
             )
-        row = {**old, "status": "running", "created_at": row["created_at"]}
+        row = {**old, "status": "running", "created_at": row["created_at"],
+               "event_time": row["event_time"] or old.get("event_time")}
     with c.sink(sid) as b:
         if task not in b.tasks and not c.exists("tasks", "id", task):
             _add_task_row(c, b, task, None, task_spec, None, None)
         b.rows["sessions"].append(row)
         b.sessions[sid] = row
         b.session_id = sid
+        b.rows["attributes"].extend(attr_rows)
     return SessionWriter(c, sid, task, c.max_step(sid) if old is not None else 0)
 
 
@@ -491,4 +552,82 @@ def set_status(c: Committer, node_ids: str | Sequence[str], status: str, session
                 row["created_at"] = now
                 b.rows["nodes"].append(row)
                 b.nodes[node_id] = row
+                if row.get("born") is None:  # first written by another pending batch: born when it commits
+                    b.born_in[node_id] = next(o for o in c.batches() if o is not b and node_id in o.added)
             row["status"] = status
+
+
+# ------------------------------------------------------- attributes and labels
+#: The most attributes one call sets, and labels one call gives (bigger sets: several calls).
+MAX_ATTRS_PER_CALL = 1024
+
+
+def attribute_rows(scope: str, entity: str, attrs: Mapping[str, Any] | None, at: dt.datetime | None,
+                   session_id: str | None) -> list[dict[str, Any]]:
+    """The checked ``attributes`` rows of ``attrs`` (nothing staged)."""
+    if attrs is None:
+        return []
+    if not isinstance(attrs, Mapping):
+        raise ValidationError(f"attributes must be a mapping of key -> JSON value, got {type(attrs).__name__}")
+    if len(attrs) > MAX_ATTRS_PER_CALL:
+        raise ValidationError(f"{len(attrs)} attributes in one call; at most {MAX_ATTRS_PER_CALL} (split the call)")
+    rows = []
+    for key, value in attrs.items():
+        check_name(key, "attribute key")
+        rows.append({"scope": scope, "entity": entity, "key": key, **attribute_value(key, value),
+                     "session_id": session_id, "event_time": at})
+    return rows
+
+
+def label_rows_for(node_ids: Sequence[str], labels: Sequence[str], present: bool, at: dt.datetime | None,
+                   session_id: str | None) -> list[dict[str, Any]]:
+    """The checked ``labels`` rows giving (``present``) or removing ``labels`` of ``node_ids``."""
+    if isinstance(labels, str):
+        labels = [labels]
+    if not isinstance(labels, Sequence | set | frozenset):
+        raise ValidationError(f"labels must be a list of names, got {type(labels).__name__}")
+    if len(labels) > MAX_ATTRS_PER_CALL:
+        raise ValidationError(f"{len(labels)} labels in one call; at most {MAX_ATTRS_PER_CALL} (split the call)")
+    for lab in labels:
+        check_name(lab, "label")
+    return [{"node_id": n, "label": lab, "present": present, "session_id": session_id, "event_time": at}
+            for n in node_ids for lab in dict.fromkeys(labels)]
+
+
+def write_attrs(c: Committer, scope: str, entity: str, attrs: Mapping[str, Any], at: object,
+                session_id: str | None) -> None:
+    """Stage attributes of an existing node, session or task (see ``SessionWriter.set_attrs``)."""
+    if scope not in ATTRIBUTE_SCOPES:
+        raise ValidationError(f"scope must be one of {', '.join(ATTRIBUTE_SCOPES)}, got {scope!r}")
+    check_name(entity, f"{scope} id")
+    rows = attribute_rows(scope, entity, attrs, event_time(at), session_id)
+    if scope == "node":
+        missing = bool(c.missing_nodes([entity]))
+    elif scope == "session":
+        missing = c.session_row(entity) is None
+    else:
+        missing = not c.pending_task(entity) and not c.exists("tasks", "id", entity)
+    if missing:
+        err = UnknownNodeError if scope == "node" else UnknownSessionError if scope == "session" else ValidationError
+        raise err(f"attributes of {scope} {entity!r}: it does not exist; add it first")
+    if rows:
+        with c.sink(session_id) as b:
+            b.rows["attributes"].extend(rows)
+
+
+def write_labels(c: Committer, node_ids: str | Sequence[str], labels: Sequence[str], present: bool, at: object,
+                 session_id: str | None) -> None:
+    """Stage labels given to or removed from existing nodes (see ``SessionWriter.label``)."""
+    ids = [node_ids] if isinstance(node_ids, str) else node_ids
+    if not isinstance(ids, Sequence | set | frozenset):
+        raise ValidationError(f"label takes a node id or a list of them, got {type(node_ids).__name__}")
+    ids = list(dict.fromkeys(ids))
+    for i in ids:
+        check_name(i, "node id")
+    rows = label_rows_for(ids, labels, present, event_time(at), session_id)
+    missing = c.missing_nodes(ids)
+    if missing:
+        raise UnknownNodeError(f"labels: node {missing[0]!r} does not exist ({len(missing)} of {len(ids)} unknown)")
+    if rows:
+        with c.sink(session_id) as b:
+            b.rows["labels"].extend(rows)

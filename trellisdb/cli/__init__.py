@@ -3,6 +3,7 @@
 trellis [--db PATH] [--read-only] [--export-root DIR] init | log | sql TEXT | query TQL | explain TQL
     | tag NAME [--move] | untag NAME | compact | verify | repair | demo
     | views | create-view NAME KIND -o K=V ... | materialize NAME | refresh NAME | export NAME PATH
+    | import FORMAT PATH
 
 `output` prints the rows (the demo prints through it too); `demo` is `trellis demo`, imported
 when that command runs.
@@ -109,6 +110,13 @@ def build_parser() -> argparse.ArgumentParser:
     ex.add_argument("--validation", type=float, default=0.0, help="share of tasks split off for validation")
     ex.add_argument("--overwrite", action="store_true", help="replace the folder if an earlier export wrote it")
     ex.add_argument("--skip-missing", action="store_true", help="leave out rows whose texts are missing")
+    imp = sub.add_parser("import", help="import a recorded run (OpenEvolve, SWE-agent, JSONL, OpenTelemetry)")
+    imp.add_argument("format", help="openevolve | swe-agent | jsonl | otel")
+    imp.add_argument("path", help="the run's folder or file, as its tool wrote it")
+    imp.add_argument("--task", default=None, help="task id for the run (default: from the run)")
+    imp.add_argument("--tag-prefix", default=None, help="prefix of the tags an import writes (openevolve)")
+    imp.add_argument("--session", default=None, help="session id for the run (openevolve; default from the run folder)")
+    imp.add_argument("--no-progress", action="store_true", help="no progress bar")
     demo = sub.add_parser("demo", help="run a small simulated search into the database")
     demo.add_argument("--sessions", type=int, default=3)
     demo.add_argument("--steps", type=int, default=12)
@@ -128,11 +136,20 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _run(args: argparse.Namespace, path: str) -> int:
     from trellisdb.database import connect
 
-    if args.read_only and args.command in ("init", "demo"):
+    if args.read_only and args.command in ("init", "demo", "import"):
         raise TrellisError(f"`trellis {args.command}` writes the database; drop --read-only")
     if args.command == "init":
         db = connect(path, embedding_dim=args.embedding_dim)
         print(f"initialized {path} (embedding dimension {db.embedding_dim})")
+        return 0
+    if args.command == "import":
+        from trellisdb.importers import import_run
+
+        with connect(path, mirror=False) as db:
+            opts = {k: v for k, v in (("task", args.task), ("tag_prefix", args.tag_prefix),
+                                      ("session", args.session)) if v is not None}
+            report = import_run(db, args.format, args.path, progress=False if args.no_progress else None, **opts)
+        print(report.summary())
         return 0
     if args.command == "demo":
         from trellisdb.cli.demo import run_demo

@@ -179,6 +179,15 @@ class Frame:
         assert self._tables is not None
         return self._tables
 
+    def values(self, table: str, column: str) -> list[Any]:
+        """The values of ``table.column`` in this frame, from its row dicts and its whole tables
+        (a small ingest's)."""
+        out = [r[column] for r in self.rows().get(table, ())]
+        t = self.tables().get(table)
+        if t is not None:
+            out += t.column(column).to_pylist()
+        return out
+
     def raw(self) -> bytes:
         """The frame's bytes as read (a frame read from a file, rows not yet decoded)."""
         return encode_line(self.record) + self.payload

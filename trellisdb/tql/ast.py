@@ -55,6 +55,26 @@ class Call:
     span: Span = NO_SPAN
 
 
+#: The aggregate functions: count(*), count(x), sum(x), avg(x), min(x), max(x), each also with DISTINCT.
+AGGREGATES = ("count", "sum", "avg", "min", "max")
+
+
+@dataclass(frozen=True)
+class AggCall:
+    """An aggregate over the rows of a group: ``count(*)`` (``arg`` None), ``count(x)``,
+    ``sum(x)``, ``avg(x)``, ``min(x)``, ``max(x)``; ``distinct``: over the distinct values of ``x``.
+
+    ``arg_type`` is filled by the resolver, for the compiler: ``int`` (a whole-number
+    argument: sum and avg are exact), ``bool`` (a condition: sum counts where it holds, avg is
+    the share of rows where it holds), or empty (fractions: compensated summation)."""
+
+    func: str
+    arg: Expr | None
+    distinct: bool = False
+    span: Span = NO_SPAN
+    arg_type: str = ""
+
+
 @dataclass(frozen=True)
 class Neg:
     operand: Expr
@@ -131,7 +151,7 @@ class Between:
 
 #: Every kind of expression: a closed union, so that a ``match`` over it ending in
 #: ``case _: assert_never(e)`` is checked for a missing kind by ``mypy --strict``.
-Expr = Literal | Param | Column | Call | Neg | Binary | BoolOp | Not | IsNull | InList | Between
+Expr = Literal | Param | Column | Call | AggCall | Neg | Binary | BoolOp | Not | IsNull | InList | Between
 Value = Literal | Param
 
 
@@ -157,7 +177,10 @@ class Scope:
 
 @dataclass(frozen=True)
 class Diversity:
-    per: str  # "parent" | "session"
+    """``PER <expression> k``: at most ``k`` rows per distinct value of ``per`` (nulls form one
+    group). ``PER PARENT k`` is ``PER parent k``, ``PER SESSION k`` is ``PER session_id k``."""
+
+    per: Expr
     k: Value
 
 
@@ -179,6 +202,15 @@ class Select:
     limit: Value | None = None
     returning: tuple[Proj, ...] = ()
     span: Span = NO_SPAN
+    group_by: tuple[Expr, ...] = ()
+    having: Expr | None = None
+    diversity: Diversity | None = None
+
+    @property
+    def grouped(self) -> bool:
+        """Whether the rows are grouped: a GROUP BY, a HAVING, or an aggregate in RETURN or ORDER BY."""
+        return bool(self.group_by) or self.having is not None or any(
+            has_aggregate(e) for e in (*(p.expr for p in self.returning), *(o.expr for o in self.order)))
 
 
 @dataclass(frozen=True)
@@ -411,7 +443,8 @@ class ToAst(Transformer[Token, Any]):
     def select(self, meta: Any, items: list[Any]) -> Select:
         c = _clauses(items)
         return Select(items[0], c.get("scope"), c.get("where"), c.get("order", ()), c.get("limit"),
-                      c.get("returning", ()), _span(meta))
+                      c.get("returning", ()), _span(meta), group_by=c.get("group_by", ()), having=c.get("having"),
+                      diversity=c.get("diversity"))
 
     def entity(self, meta: Any, items: list[Any]) -> str:
         return str(items[0]).lower()
@@ -424,6 +457,12 @@ class ToAst(Transformer[Token, Any]):
 
     def where(self, meta: Any, items: list[Any]) -> tuple[str, Expr]:
         return ("@where", _kw(items)[0])
+
+    def group_by(self, meta: Any, items: list[Any]) -> tuple[str, tuple[Expr, ...]]:
+        return ("@group_by", tuple(_kw(items)))
+
+    def having(self, meta: Any, items: list[Any]) -> tuple[str, Expr]:
+        return ("@having", _kw(items)[0])
 
     def order(self, meta: Any, items: list[Any]) -> tuple[str, tuple[OrderItem, ...]]:
         return ("@order", tuple(_kw(items)))
@@ -456,10 +495,14 @@ class ToAst(Transformer[Token, Any]):
         return ("@rank", tuple(_kw(items)))
 
     def per_parent(self, meta: Any, items: list[Any]) -> tuple[str, Diversity]:
-        return ("@diversity", Diversity("parent", _kw(items)[0]))
+        return ("@diversity", Diversity(Column("parent", _tok_span(items[1])), _kw(items)[0]))
 
     def per_session(self, meta: Any, items: list[Any]) -> tuple[str, Diversity]:
-        return ("@diversity", Diversity("session", _kw(items)[0]))
+        return ("@diversity", Diversity(Column("session_id", _tok_span(items[1])), _kw(items)[0]))
+
+    def per_expr(self, meta: Any, items: list[Any]) -> tuple[str, Diversity]:
+        per, k = _kw(items)
+        return ("@diversity", Diversity(per, k))
 
     def lineage(self, meta: Any, items: list[Any]) -> Lineage:
         rest = _kw(items)
@@ -596,9 +639,40 @@ class ToAst(Transformer[Token, Any]):
     def null(self, meta: Any, items: list[Any]) -> Literal:
         return Literal(None, _span(meta))
 
-    def call(self, meta: Any, items: list[Any]) -> Call:
+    def call(self, meta: Any, items: list[Any]) -> Call | AggCall:
         name, *args = items
-        return Call(name.lower(), tuple(a for a in args if a is not None), _span(meta))
+        args = [a for a in args if a is not None]
+        if name.lower() in AGGREGATES:
+            return self._aggregate(meta, name, args, distinct=False)
+        return Call(name.lower(), tuple(args), _span(meta))
+
+    def call_star(self, meta: Any, items: list[Any]) -> AggCall:
+        name = items[0]
+        if name.lower() != "count":
+            raise self._error(meta, f"{name}(*) is not a function: only count(*) takes '*' (it counts rows); "
+                                    f"{name}() takes a value, e.g. {name.lower()}(step)")
+        return AggCall("count", None, False, _span(meta))
+
+    def call_distinct(self, meta: Any, items: list[Any]) -> AggCall:
+        name, arg = _kw(items)
+        if name.lower() not in AGGREGATES:
+            raise self._error(meta, f"DISTINCT goes inside an aggregate, as in count(DISTINCT session_id); "
+                                    f"{name}() is not one (aggregates: {', '.join(AGGREGATES)})")
+        return self._aggregate(meta, name, [arg], distinct=True)
+
+    def _aggregate(self, meta: Any, name: str, args: list[Any], *, distinct: bool) -> AggCall:
+        func = name.lower()
+        if len(args) != 1:
+            hint = {"count": "count(*) counts rows, count(x) the rows where x is not null",
+                    "min": "the smaller of two values is least(a, b)",
+                    "max": "the larger of two values is greatest(a, b)"}.get(func, f"e.g. {func}(usd)")
+            raise self._error(meta, f"{func}() is an aggregate and takes one argument, got {len(args)}; {hint}")
+        return AggCall(func, args[0], distinct, _span(meta))
+
+    def _error(self, meta: Any, what: str) -> QuerySyntaxError:
+        span = _span(meta)
+        return QuerySyntaxError(f"line {span.line}, column {span.column}: {what}", span.line, span.column,
+                                span=place(span), query=self.text)
 
     def column(self, meta: Any, items: list[Any]) -> Column:
         return Column(items[0], _span(meta))
@@ -619,6 +693,17 @@ class ToAst(Transformer[Token, Any]):
     def param(self, meta: Any, items: list[Any]) -> Param:
         t = items[0]
         return Param(str(t)[1:], _tok_span(t))
+
+
+def has_aggregate(e: Any) -> bool:
+    """Whether expression ``e`` holds an aggregate (count, sum, avg, min, max) anywhere."""
+    if isinstance(e, AggCall):
+        return True
+    if isinstance(e, tuple):
+        return any(has_aggregate(x) for x in e)
+    if dataclasses.is_dataclass(e) and not isinstance(e, type):
+        return any(has_aggregate(getattr(e, f.name)) for f in dataclasses.fields(e) if f.name != "span")
+    return False
 
 
 def handler_names() -> set[str]:

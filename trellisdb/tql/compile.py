@@ -31,7 +31,7 @@ from trellisdb.errors import PlanError, QueryError
 from trellisdb.graph import FOUND_SCHEMA
 from trellisdb.tql import ast as A
 from trellisdb.tql import plan as P
-from trellisdb.tql.resolve import ENTITY_COLUMNS, LINEAGE_KINDS, MAX_HOPS, RETRIEVE_COLUMNS
+from trellisdb.tql.resolve import ATTR_SCOPES, ENTITY_COLUMNS, LINEAGE_KINDS, MAX_HOPS, RETRIEVE_COLUMNS
 
 DIALECT = "duckdb"
 
@@ -42,6 +42,10 @@ _BINARY: dict[str, type[exp.Expr]] = {
 }
 
 _UCB = sqlglot.parse_one("__v + __c * sqrt(ln(greatest(sum(__n) OVER (), 1)) / greatest(__n, 1))", dialect=DIALECT)
+
+
+#: What ``attr('key')`` reads of an ``attributes`` row, by the type of the key's values.
+_ATTR_VALUE = {"number": "num", "text": "text", "bool": "value = 'true'", "json": "value"}
 
 
 @dataclass
@@ -90,6 +94,9 @@ class Compiler:
         self.params: dict[str, Any] = {}
         self.ctes: list[tuple[str, exp.Expr, bool]] = []
         self.rewards: dict[str, str] = {}
+        #: attribute key / label -> the hidden column holding it (set by the Derive)
+        self.attr_cols: dict[str, str] = {}
+        self.label_cols: dict[str, str] = {}
         self.order: list[exp.Ordered] = []
         self.hidden: list[str] = []
         self.projection: list[exp.Expr] | None = None
@@ -139,6 +146,11 @@ class Compiler:
                     ch = e.args[0]
                     assert isinstance(ch, A.Literal)
                     return exp.column(self.rewards[str(ch.value)], quoted=True)
+                if e.name in ("attr", "has_label"):
+                    key = e.args[0]
+                    assert isinstance(key, A.Literal)
+                    cols = self.attr_cols if e.name == "attr" else self.label_cols
+                    return exp.column(cols[str(key.value)], quoted=True)
                 if e.name == "ucb":
                     v, n, c = (x(a) for a in e.args)
                     subs = {"__v": _paren(v), "__n": _paren(n), "__c": _paren(c)}
@@ -148,6 +160,8 @@ class Compiler:
                         copy=False,
                     ))
                 return exp.Anonymous(this=e.name, expressions=[x(a) for a in e.args])
+            case A.AggCall():
+                return self.aggregate(e)
             case A.Neg():
                 return exp.Neg(this=_paren(x(e.operand)))
             case A.Binary():
@@ -172,6 +186,31 @@ class Compiler:
                 return exp.Between(this=x(e.operand), low=x(e.low), high=x(e.high))
             case _:
                 assert_never(e)
+
+    def aggregate(self, e: A.AggCall) -> exp.Expr:
+        """An aggregate. Sums are exact over whole numbers (BIGINT, not DuckDB's HUGEINT) and compensated
+        (Kahan) over fractions, so that a parallel sum gives the same figure run after run."""
+        if e.arg is None:
+            return exp.Count(this=exp.Star())
+        arg = self.expr(e.arg)
+        if e.func == "avg" and e.arg_type == "bool":
+            arg = exp.Cast(this=arg, to=exp.DataType.build("INTEGER"))
+        if e.distinct:
+            arg = exp.Distinct(expressions=[arg])
+        match e.func:
+            case "count":
+                return exp.Count(this=arg)
+            case "min":
+                return exp.Min(this=arg)
+            case "max":
+                return exp.Max(this=arg)
+            case "sum" if e.arg_type in ("int", "bool"):
+                return exp.Cast(this=exp.Sum(this=arg), to=exp.DataType.build("BIGINT"))
+            case "avg" if e.arg_type in ("int", "bool"):
+                return exp.Avg(this=arg)
+            case "sum" | "avg":
+                return exp.Anonymous(this="f" + e.func, expressions=[arg])
+        raise QueryError(f"{e.func}() is not an aggregate; aggregates: {', '.join(A.AGGREGATES)}")
 
     def ordered(self, keys: tuple[A.OrderItem, ...], names: list[str], tie: tuple[str, ...]) -> list[exp.Ordered]:
         out = [
@@ -216,6 +255,8 @@ class Compiler:
                 return self.op_Filter(op)
             case P.TopPerGroup():
                 return self.op_TopPerGroup(op)
+            case P.Aggregate():
+                return self.op_Aggregate(op)
             case P.Sort():
                 return self.op_Sort(op)
             case P.Limit():
@@ -318,10 +359,12 @@ class Compiler:
             case P.Walk() | P.ShortestPath():
                 sel, entity_cols, ids = self._attach(src, ["hop"], "nodes")
                 only = None
-            case P.VectorSearch() | P.Derive() | P.Filter() | P.TopPerGroup() | P.Sort() | P.Limit() | P.Project():
+            case (P.VectorSearch() | P.Derive() | P.Filter() | P.TopPerGroup() | P.Aggregate() | P.Sort() | P.Limit()
+                  | P.Project()):
                 raise PlanError(f"Derive reads a Scan, a graph walk or an Expand, not a {type(src).__name__}")
             case _:
                 assert_never(src)
+        entity = src.entity if isinstance(src, P.Scan | P.Expand) else "nodes"
         self.rewards = reward_column_names(p.channels, entity_cols)
         for i, ch in enumerate(p.channels):
             alias = f"r{i}"
@@ -332,6 +375,26 @@ class Compiler:
             sel = sel.join(exp.alias_(exp.paren(sub), alias), on=f"{alias}.node_id = b.id", join_type="left",
                            copy=False)
             sel = sel.select(exp.alias_(exp.column("value", table=alias), self.rewards[ch], quoted=True), copy=False)
+        scope = ATTR_SCOPES.get(entity)
+        for i, (key, typ) in enumerate(p.attrs):
+            alias, name = f"at{i}", f"__attr{i}"
+            value = _ATTR_VALUE[typ]
+            sub = exp.select("entity", exp.alias_(_template(value, "column"), "v"), copy=False).from_(
+                "attributes", copy=False).where(exp.and_(
+                    exp.EQ(this=exp.column("scope"), expression=exp.Literal.string(scope or "")),
+                    exp.EQ(this=exp.column("key"), expression=self.value(key))), copy=False)
+            sel = sel.join(exp.alias_(exp.paren(sub), alias), on=f"{alias}.entity = b.id", join_type="left",
+                           copy=False)
+            sel = sel.select(exp.alias_(exp.column("v", table=alias), name, quoted=True), copy=False)
+            self.attr_cols[key] = name
+            self.hidden.append(name)
+        for i, label in enumerate(p.labels):
+            name = f"__label{i}"
+            sub = exp.select("node_id").from_("labels", copy=False).where(
+                exp.EQ(this=exp.column("label"), expression=self.value(label)), copy=False)
+            sel = sel.select(exp.alias_(exp.column("id", table="b").isin(query=sub), name, quoted=True), copy=False)
+            self.label_cols[label] = name
+            self.hidden.append(name)
         acc = p.accessors
         kinds = ", ".join(f"'{k}'" for k in (p.kinds or LINEAGE_KINDS))
         joins: list[tuple[str, str, str]] = []  # (subquery AS alias, ON, select expression)
@@ -376,11 +439,22 @@ class Compiler:
         src, names = self.keyed(self.compile(p.input), p.keys)
         win = exp.Window(
             this=exp.RowNumber(),
-            partition_by=[exp.column(p.per, quoted=True)],
+            partition_by=[self.expr(p.per)],
             order=exp.Order(expressions=self.ordered(p.keys, names, p.tiebreak)),
         )
         sel = exp.select(exp.Star()).from_(src, copy=False).qualify(exp.LTE(this=win, expression=exp.Literal.number(p.k)), copy=False)
         self.keys_done = (p.keys, names)
+        return self.cte(sel)
+
+    def op_Aggregate(self, p: P.Aggregate) -> str:
+        """One row per group: its keys and aggregates, in the columns the plan names (GROUP BY the key
+        positions, so a key is written once)."""
+        src = self.compile(p.input)
+        items = [exp.alias_(self.expr(e), name, quoted=True) for e, name in (*p.keys, *p.aggregates)]
+        sel = exp.select(*items).from_(src, copy=False)
+        if p.keys:
+            sel = sel.group_by(*[exp.Literal.number(i + 1) for i in range(len(p.keys))], copy=False)
+        self.keys_done = None
         return self.cte(sel)
 
     def op_Sort(self, p: P.Sort) -> str:
@@ -436,7 +510,7 @@ def _abstract(obj: Any, values: list[Any], nodes: list[int] | None = None) -> An
 
     Two plans with the same shape (same operators, names and numbers, other
     strings) compile to the same SQL; only the parameter values differ.
-    Reward channels stay: they name output columns. ``nodes[0]`` counts what it visits.
+    Reward channels, attribute keys and labels stay: they name columns. ``nodes[0]`` counts what it visits.
     """
     if nodes is not None:
         nodes[0] += 1
@@ -445,7 +519,7 @@ def _abstract(obj: Any, values: list[Any], nodes: list[int] | None = None) -> An
             values.append(obj.value)
             return A.Literal(Slot(len(values) - 1), obj.span)  # type: ignore[arg-type]
         return obj
-    if isinstance(obj, A.Span | A.Column) or (isinstance(obj, A.Call) and obj.name == "reward"):
+    if isinstance(obj, A.Span | A.Column) or (isinstance(obj, A.Call) and obj.name in ("reward", "attr", "has_label")):
         return obj  # nothing inside to abstract
     if isinstance(obj, tuple):
         return tuple(_abstract(x, values, nodes) for x in obj)

@@ -53,6 +53,8 @@ MAX_QUERY_CHARS = 100_000
 MAX_NESTING = 64
 #: Keys of one ORDER BY or RANK BY (ties always break by commit and id after them).
 MAX_SORT_KEYS = 32
+#: Keys of one GROUP BY.
+MAX_GROUP_KEYS = 32
 #: Columns of one RETURN (a node has about 20; the rest are computed ones).
 MAX_RETURN_COLUMNS = 128
 #: Values in one IN (...) or NOT IN (...) list.
@@ -74,12 +76,13 @@ CACHED_QUERY_CHARS = 2_048
 
 #: Parse-tree rules that are one level of expression nesting (see MAX_NESTING).
 _NESTING = frozenset({"or_", "and_", "not_", "compare", "is_null", "is_not_null", "in_list", "not_in_list",
-                      "between", "arith", "neg", "call"})
+                      "between", "arith", "neg", "call", "call_star", "call_distinct"})
 
 #: Rules that repeat: rule -> (limit, what has the items, what they are, what to do instead).
 _REPEATS: dict[str, tuple[int, str, str, str]] = {
     "order": (MAX_SORT_KEYS, "ORDER BY", "keys", "sort by fewer keys (ties already break by commit and id)"),
     "rank": (MAX_SORT_KEYS, "RANK BY", "keys", "rank by fewer keys, or combine them into one expression"),
+    "group_by": (MAX_GROUP_KEYS, "GROUP BY", "keys", "group by fewer keys, or combine them into one expression"),
     "returning": (MAX_RETURN_COLUMNS, "RETURN", "columns",
                   "return fewer columns (a query without RETURN returns every column)"),
     "in_list": (MAX_IN_ITEMS, "the IN list", "values",
@@ -337,7 +340,7 @@ def _syntax_error(text: str, e: UnexpectedInput) -> QuerySyntaxError:
     return QuerySyntaxError(msg, line, col, span=Span(pos, max(pos, end), line, col), query=text)
 
 
-_CLAUSES = {"RETURN", "WHERE", "ORDER", "LIMIT", "RANK", "PER", "EXPANDED", "VIA", "FROM"}
+_CLAUSES = {"RETURN", "WHERE", "ORDER", "LIMIT", "RANK", "PER", "EXPANDED", "VIA", "FROM", "GROUP", "HAVING"}
 
 
 def _hint(text: str, e: UnexpectedInput) -> str | None:
@@ -350,6 +353,14 @@ def _hint(text: str, e: UnexpectedInput) -> str | None:
             m = found[-1]  # the last AS OF before the clause
             fixed = f"{text[: m.start()].rstrip()} {text[at:].strip()} {text[m.start() : at].strip()}"
             return f"AS OF comes last: put {e.token.type} ... before AS OF, as in: {fixed}"
+        returns = list(re.finditer(r"\breturn\b", text[:at], re.IGNORECASE))
+        if returns and e.token.type != "RETURN":
+            r = returns[-1].start()  # the RETURN before the clause: it goes after the clauses, before any AS OF
+            rest = text[at:]
+            tail = list(re.finditer(r"\bas\s+of\b", rest, re.IGNORECASE))
+            clauses, as_of = (rest[: tail[-1].start()], rest[tail[-1].start():]) if tail else (rest, "")
+            fixed = " ".join(p for p in (text[:r].strip(), clauses.strip(), text[r:at].strip(), as_of.strip()) if p)
+            return f"RETURN comes after the other clauses: put {e.token.type} ... before RETURN, as in: {fixed}"
     for label, examples in _HINTS.items():
         for ex in examples:
             try:

@@ -3,7 +3,8 @@
 A plan reads bottom-up: a source (``Scan`` of an entity, a graph walk, or
 RETRIEVE's ``Expand`` over its ``VectorSearch``), then ``Derive`` (reward
 channels and per-node accessors), ``Filter``, ``TopPerGroup`` (diversity),
-``Sort``, ``Limit`` and ``Project``. :data:`Operator` is the closed union of
+``Aggregate`` (GROUP BY and aggregates; a ``Filter`` over it is HAVING), ``Sort``,
+``Limit`` and ``Project``. :data:`Operator` is the closed union of
 the operator classes: code that dispatches on them matches over it and ends in
 ``case _: assert_never(p)``, so ``mypy --strict`` names any operator it misses.
 
@@ -12,16 +13,17 @@ the operator classes: code that dispatches on them matches over it and ends in
 >>> q = parse("NODES WHERE step > 1 ORDER BY step DESC LIMIT 3")
 >>> print(build(Bound(q, q.statement, 7)).pretty())
 Limit 3
-  Sort step DESC, then commit_id, id
+  Sort step DESC, then seq, id
     Filter (step > 1)
       Scan nodes as of commit 7
 """
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass, field
-from typing import assert_never, cast, get_args
+from typing import Any, assert_never, cast, get_args
 
 from trellisdb.errors import PlanError as PlanError  # defined with the other errors; importable from here too
 from trellisdb.tql import ast as A
@@ -29,15 +31,18 @@ from trellisdb.tql.parser import MAX_SORT_KEYS
 from trellisdb.tql.resolve import CLOSED_STATUSES, ENTITY_COLUMNS, LINEAGE_KINDS, MAX_HOPS, Bound
 from trellisdb.tql.show import show
 
-#: Columns every ordering ends with, so ties break the same way every time:
-#: the commit of the row, then the entity's key.
-TIEBREAK = ("commit_id", "id")
+#: Columns every ordering of nodes ends with, so ties break the same way every time: the
+#: insertion order (``seq``: first commit, then position in it; status changes never move it),
+#: then the id.
+TIEBREAK = ("seq", "id")
 
 
 def tiebreak(entity: str) -> tuple[str, ...]:
+    """The tie-break of ``entity``'s rows: the insertion order for nodes; for the others the
+    commit of the row, then the key."""
     from trellisdb.schema import KEYS
 
-    return ("commit_id", *KEYS[entity])
+    return TIEBREAK if entity == "nodes" else ("commit_id", *KEYS[entity])
 
 
 @dataclass(frozen=True)
@@ -206,9 +211,13 @@ class Derive(Plan):
     channels: tuple[str, ...] = ()
     accessors: frozenset[str] = field(default_factory=frozenset)
     kinds: tuple[str, ...] = LINEAGE_KINDS
+    #: attributes (key, type of their values) and labels the statement reads
+    attrs: tuple[tuple[str, str], ...] = ()
+    labels: tuple[str, ...] = ()
 
     def label(self) -> str:
         parts = [f"reward({c!r})" for c in self.channels] + sorted(self.accessors)
+        parts += [f"attr({k!r}) as {t}" for k, t in self.attrs] + [f"has_label({lab!r})" for lab in self.labels]
         return f"Derive {', '.join(parts)}"
 
 
@@ -224,10 +233,10 @@ class Filter(Plan):
 
 @dataclass(frozen=True)
 class TopPerGroup(Plan):
-    """At most ``k`` rows per ``per`` value, the best by ``keys``."""
+    """At most ``k`` rows per value of the expression ``per`` (nulls form one group), the best by ``keys``."""
 
     input: Plan
-    per: str
+    per: A.Expr
     k: int
     keys: tuple[A.OrderItem, ...]
     tiebreak: tuple[str, ...] = TIEBREAK
@@ -238,7 +247,38 @@ class TopPerGroup(Plan):
         _check_keys(self.keys)
 
     def label(self) -> str:
-        return f"TopPerGroup {self.k} per {self.per} by {_keys(self.keys, self.tiebreak)}"
+        return f"TopPerGroup {self.k} per {show(self.per)} by {_keys(self.keys, self.tiebreak)}"
+
+
+#: Where an Aggregate puts a group key / an aggregate: internal column names, never user text.
+_OUTPUT = re.compile(r"__[ga][0-9]+")
+
+
+@dataclass(frozen=True)
+class Aggregate(Plan):
+    """One row per distinct combination of the ``keys`` (one row in all when there are none), holding the
+    keys and the ``aggregates``, each in the internal column it names (``__g1``..., ``__a1``...). The
+    operators above read those columns: HAVING is a ``Filter``, then ``Sort``, ``Limit``, ``Project``."""
+
+    input: Plan
+    keys: tuple[tuple[A.Expr, str], ...]
+    aggregates: tuple[tuple[A.AggCall, str], ...]
+
+    def __post_init__(self) -> None:
+        names = [n for _, n in self.keys] + [n for _, n in self.aggregates]
+        if len(set(names)) != len(names) or not all(_OUTPUT.fullmatch(n) for n in names):
+            raise PlanError("Aggregate outputs need distinct internal names such as __g1 (a key), __a1 (an aggregate)")
+        if not names:
+            raise PlanError("Aggregate needs a key or an aggregate")
+        if not all(isinstance(a, A.AggCall) for a, _ in self.aggregates):
+            raise PlanError("Aggregate computes aggregates (count, sum, avg, min, max)")
+
+    def label(self) -> str:
+        aggs = ", ".join(f"{show(a)} AS {n}" for a, n in self.aggregates)
+        keys = ", ".join(f"{show(k)} AS {n}" for k, n in self.keys)
+        if not keys:
+            return f"Aggregate {aggs} over all rows (one row)"
+        return f"Aggregate {aggs + ' ' if aggs else ''}by {keys}"
 
 
 @dataclass(frozen=True)
@@ -283,8 +323,8 @@ class Project(Plan):
 
 #: Every plan operator: a closed union (see the module docs). A new operator class goes here,
 #: and then mypy points at each dispatch that lacks a case for it.
-Operator = (Scan | Walk | SiblingsOf | ShortestPath | VectorSearch | Expand | Derive | Filter | TopPerGroup | Sort
-            | Limit | Project)
+Operator = (Scan | Walk | SiblingsOf | ShortestPath | VectorSearch | Expand | Derive | Filter | TopPerGroup
+            | Aggregate | Sort | Limit | Project)
 
 OPERATORS: tuple[type[Plan], ...] = get_args(Operator)
 
@@ -330,7 +370,7 @@ def _check_keys(keys: tuple[A.OrderItem, ...]) -> None:
 
 def _keys(keys: tuple[A.OrderItem, ...], tie: tuple[str, ...]) -> str:
     ks = [f"{show(k.expr)}{' DESC' if k.descending else ''}" for k in keys]
-    return ", ".join(ks) + (", then " if ks else "") + ", ".join(tie)
+    return ", ".join(ks) + (", then " if ks and tie else "") + ", ".join(tie)
 
 
 def default_expanded() -> A.Expr:
@@ -378,12 +418,23 @@ def build(b: Bound) -> Plan:
             assert_never(s)
 
 
+def _derive(node: Plan, b: Bound, *, always: bool = False) -> Plan:
+    """``node`` with the statement's reward channels, accessors, attributes and labels added
+    (a Derive; a plain scan needs one only if the statement reads any)."""
+    if always or b.channels or b.accessors or b.attrs or b.labels:
+        return Derive(node, b.channels, b.accessors, attrs=b.attrs, labels=b.labels)
+    return node
+
+
 def _select(b: Bound, s: A.Select) -> Plan:
     node: Plan = Scan(s.entity, b.snapshot, s.scope)
-    if b.channels or b.accessors:
-        node = Derive(node, b.channels, b.accessors)
+    node = _derive(node, b)
     if s.where is not None:
         node = Filter(node, s.where)
+    if s.grouped:
+        return _grouped(node, s)
+    if s.diversity is not None:
+        node = TopPerGroup(node, s.diversity.per, _int(s.diversity.k), s.order, tiebreak(s.entity))
     node = Sort(node, s.order, tiebreak(s.entity))  # always: the same query, the same row order
     if s.limit is not None:
         node = Limit(node, _int(s.limit))
@@ -392,15 +443,72 @@ def _select(b: Bound, s: A.Select) -> Plan:
     return node
 
 
+def _grouped(node: Plan, s: A.Select) -> Plan:
+    """A grouped selection over ``node`` (its rows after WHERE): Aggregate, then HAVING, ORDER BY (ties
+    broken by the group keys, which differ between groups), LIMIT and RETURN, over the Aggregate's columns."""
+    cols: dict[str, str] = {}  # show(key or aggregate) -> the Aggregate's column holding it
+    keys: list[tuple[A.Expr, str]] = []
+    for k in s.group_by:
+        if show(k) not in cols:
+            cols[show(k)] = f"__g{len(keys) + 1}"
+            keys.append((k, cols[show(k)]))
+    aggs: list[tuple[A.AggCall, str]] = []
+    exprs = [p.expr for p in s.returning] + ([s.having] if s.having is not None else []) + [o.expr for o in s.order]
+    for e in exprs:
+        for a in _aggregates(e):
+            if show(a) not in cols:
+                cols[show(a)] = f"__a{len(aggs) + 1}"
+                aggs.append((a, cols[show(a)]))
+    node = Aggregate(node, tuple(keys), tuple(aggs))
+    if s.having is not None:
+        node = Filter(node, _over(s.having, cols), "HAVING")
+    order = tuple(A.OrderItem(_over(o.expr, cols), o.descending) for o in s.order)
+    ties = tuple(n for _, n in keys)
+    if order or ties:
+        node = Sort(node, order, ties)
+    if s.limit is not None:
+        node = Limit(node, _int(s.limit))
+    return Project(node, tuple(A.Proj(_over(p.expr, cols), p.alias) for p in s.returning))
+
+
+def _aggregates(e: A.Expr) -> list[A.AggCall]:
+    """The aggregates in ``e``, left to right."""
+    if isinstance(e, A.AggCall):
+        return [e]
+    out: list[A.AggCall] = []
+    for f in dataclasses.fields(e):
+        v = getattr(e, f.name)
+        for x in v if isinstance(v, tuple) else (v,):
+            if dataclasses.is_dataclass(x) and not isinstance(x, type | A.Span):
+                out += _aggregates(cast(A.Expr, x))
+    return out
+
+
+def _over(e: A.Expr, cols: dict[str, str]) -> A.Expr:
+    """``e`` over an Aggregate's columns: each key or aggregate in it becomes the column holding it."""
+    name = cols.get(show(e))
+    if name is not None:
+        return A.Column(name, e.span)
+    changes: dict[str, Any] = {}
+    for f in dataclasses.fields(e):
+        v = getattr(e, f.name)
+        if isinstance(v, A.Span) or not (dataclasses.is_dataclass(v) or isinstance(v, tuple)):
+            continue
+        if isinstance(v, tuple):
+            changes[f.name] = tuple(_over(cast(A.Expr, x), cols) if dataclasses.is_dataclass(x) else x for x in v)
+        else:
+            changes[f.name] = _over(cast(A.Expr, v), cols)
+    return dataclasses.replace(e, **changes) if changes else e
+
+
 def _frontier(b: Bound, s: A.Frontier) -> Plan:
-    node: Plan = Derive(Scan("nodes", b.snapshot, s.scope), b.channels, b.accessors)
+    node: Plan = _derive(Scan("nodes", b.snapshot, s.scope), b, always=True)
     expanded = s.expanded if s.expanded is not None else default_expanded()
     node = Filter(node, A.Not(expanded), "not yet expanded" if s.expanded is None else "EXPANDED WHEN")
     if s.where is not None:
         node = Filter(node, s.where)
     if s.diversity is not None:
-        per = "parent" if s.diversity.per == "parent" else "session_id"
-        node = TopPerGroup(node, per, _int(s.diversity.k), s.rank)
+        node = TopPerGroup(node, s.diversity.per, _int(s.diversity.k), s.rank)
     node = Sort(node, s.rank)
     if s.limit is not None:
         node = Limit(node, _int(s.limit))
@@ -421,7 +529,7 @@ def _retrieve(b: Bound, s: A.Retrieve) -> Plan:
         snapshot=b.snapshot,
     )
     items = tuple((e.direction, _int(e.hops)) for e in s.expand)
-    node: Plan = Derive(Expand(search, items, s.via, s.entity), b.channels, b.accessors)
+    node: Plan = _derive(Expand(search, items, s.via, s.entity), b, always=True)
     node = Sort(node, s.rank, ("seed_rank", "hop", "id"))
     if s.limit is not None:
         node = Limit(node, _int(s.limit))
@@ -435,15 +543,13 @@ def _prefilter(b: Bound, s: A.Retrieve) -> Plan | None:
     the statement's reward channels and accessors, not the RETRIEVE columns."""
     if s.where is None:
         return None
-    node: Plan = Scan(s.entity, b.snapshot)
-    if b.channels or b.accessors:
-        node = Derive(node, b.channels, b.accessors)
+    node = _derive(Scan(s.entity, b.snapshot), b)
     return Project(Filter(node, s.where), (A.Proj(A.Column("id"), "id"),))
 
 
 def _graph(b: Bound, source: Plan, where: A.Expr | None, order: str, returning: tuple[A.Proj, ...]) -> Plan:
     """A graph statement (LINEAGE, SUBTREE, SIBLINGS, PATH) over its ``source`` relation."""
-    node: Plan = Derive(source, b.channels, b.accessors)
+    node: Plan = _derive(source, b, always=True)
     if where is not None:
         node = Filter(node, where)
     node = Sort(node, (A.OrderItem(A.Column(order), False),))

@@ -13,18 +13,23 @@ see :class:`~trellisdb.errors.QueryError`); so do the type errors of
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any, assert_never
 
+import pyarrow as pa
+
 from trellisdb import asof
-from trellisdb.errors import QueryError, QueryNameError
+from trellisdb.errors import QueryError, QueryNameError, QueryTypeError
 from trellisdb.names import did_you_mean, known
 from trellisdb.schema import EDGE_KINDS, table_schema
 from trellisdb.tql import ast as A
-from trellisdb.tql.types import arrow_type, check, check_condition
+from trellisdb.tql.show import show
+from trellisdb.tql.types import arrow_type, check, check_condition, typeof
 
 #: Edge kinds a lineage walk, child count or sibling test follows unless VIA says otherwise.
 LINEAGE_KINDS = ("derived_from", "repair_of", "crossover_of")
@@ -50,13 +55,17 @@ SQL_FUNCTIONS: dict[str, tuple[int, int]] = {
 }
 
 #: Functions TQL defines: name -> (min args, max args).
-TQL_FUNCTIONS: dict[str, tuple[int, int]] = {"reward": (1, 1), "ucb": (3, 3)}
+TQL_FUNCTIONS: dict[str, tuple[int, int]] = {"reward": (1, 1), "ucb": (3, 3), "attr": (1, 1), "has_label": (1, 1)}
+
+#: The attribute scope (``attributes.scope``) of each entity a query ranges over.
+ATTR_SCOPES = {"nodes": "node", "sessions": "session", "tasks": "task"}
 
 MAX_HOPS = 10_000
 
 
 def _columns(entity: str) -> list[str]:
-    return [f.name for f in table_schema(entity, 1) if f.name != "embedding"]
+    cols = [f.name for f in table_schema(entity, 1) if f.name != "embedding"]
+    return [*cols, "seq"] if entity == "nodes" else cols  # the insertion order (schema.SEQ_SQL)
 
 
 ENTITY_COLUMNS: dict[str, list[str]] = {e: _columns(e) for e in ("nodes", "sessions", "tasks", "rewards")}
@@ -73,7 +82,24 @@ DEFAULT_EXPAND_HOPS = 2
 MAX_RETRIEVE = 10_000
 COLUMN_TYPES: dict[str, dict[str, str]] = {
     e: {f.name: arrow_type(f.type) for f in table_schema(e, 1)} | _DERIVED_TYPES | RETRIEVE_COLUMNS
+    | ({"seq": "number"} if e == "nodes" else {})
     for e in ENTITY_COLUMNS
+}
+#: The names holding whole numbers, per entity: sum() and avg() of them are exact (see :func:`_integral`).
+INTEGER_COLUMNS: dict[str, frozenset[str]] = {
+    e: frozenset({f.name for f in table_schema(e, 1) if pa.types.is_integer(f.type)}
+                 | {"children", "visits", "depth", "age", "hop", "seed_rank"})
+    for e in ENTITY_COLUMNS
+}
+
+#: Why an aggregate cannot be where it is (the clause, or the statement).
+_NO_AGGREGATE_IN = {
+    "WHERE": "aggregates cannot be in WHERE, which picks rows before they are grouped; to keep only some groups "
+             "put the condition in HAVING (after GROUP BY, before ORDER BY), e.g. "
+             "NODES GROUP BY session_id HAVING count(*) > 3 RETURN session_id",
+    "GROUP BY": "GROUP BY takes values of each row (the groups), not an aggregate; aggregates go in RETURN, "
+                "HAVING and ORDER BY",
+    "PER": "PER takes a value of each row, not an aggregate, e.g. PER step 2",
 }
 
 
@@ -90,6 +116,12 @@ class Catalog:
     step_commit: Callable[[str, int], int | None]
     #: embedding spaces of a target (nodes | tasks): name -> dimension
     spaces: Callable[[str], dict[str, int]] = lambda target: {"embedding": 0}
+    #: the distinct steps of a session's nodes, ascending (for the error of AS OF STEP k
+    #: naming a step the session does not have)
+    session_steps: Callable[[str], list[int]] = lambda session_id: []
+    #: the attribute keys of a scope (node | session | task) and the type of their values:
+    #: number, text, bool, or json (mixed, lists, mappings: compared as JSON text)
+    attr_types: Callable[[str], dict[str, str]] = lambda scope: {}
 
 
 @dataclass(frozen=True)
@@ -103,6 +135,10 @@ class Bound:
     channels: tuple[str, ...] = ()
     #: derived node values the statement uses (children, visits, parent, depth, age)
     accessors: frozenset[str] = field(default_factory=frozenset)
+    #: attributes the statement reads: (key, type of its values)
+    attrs: tuple[tuple[str, str], ...] = ()
+    #: labels the statement tests (has_label)
+    labels: tuple[str, ...] = ()
     #: RETRIEVE ... SIMILAR TO $v: the query vector (float32)
     vector: Any = None
 
@@ -118,8 +154,22 @@ class Resolver:
         self.used_params: set[str] = set()
         self.channels: list[str] = []
         self.accessors: set[str] = set()
+        self.attrs: dict[str, str] = {}
+        self.labels: list[str] = []
         self.entity = "nodes"
         self.extra_columns: set[str] = set()
+        #: why an aggregate may not appear where the resolver is now (None: it may)
+        self.no_aggregates: str | None = None
+        self.in_aggregate = False
+
+    @contextmanager
+    def refusing_aggregates(self, why: str | None) -> Iterator[None]:
+        """Resolve the expressions of a clause where aggregates are refused for the reason ``why``."""
+        before, self.no_aggregates = self.no_aggregates, why or self.no_aggregates
+        try:
+            yield
+        finally:
+            self.no_aggregates = before
 
     # -- values
     def value(self, v: A.Value | None) -> A.Literal | None:
@@ -211,6 +261,8 @@ class Resolver:
                 return self.column(e)
             case A.Call():
                 return self.call(e, ranking)
+            case A.AggCall():
+                return self.aggregate(e)
             case A.Neg():
                 return A.Neg(r(e.operand, ranking=ranking), e.span)
             case A.Binary():
@@ -229,6 +281,38 @@ class Resolver:
                                  e.span)
             case _:
                 assert_never(e)
+
+    def aggregate(self, e: A.AggCall) -> A.AggCall:
+        if self.no_aggregates is not None:
+            raise QueryError(f"{show(e)}{_where(e.span)} is an aggregate: {self.no_aggregates}", span=A.place(e.span))
+        if self.in_aggregate:
+            raise QueryError(f"aggregates cannot nest: {show(e)}{_where(e.span)} is inside another aggregate; "
+                             "aggregate a value of each row, e.g. max(step), or group first (GROUP BY)",
+                             span=A.place(e.span))
+        if e.arg is None:
+            return e
+        self.in_aggregate = True
+        try:
+            arg = self.expr(e.arg)
+        finally:
+            self.in_aggregate = False
+        types = self.types
+        kind = "bool" if typeof(arg, types) == "bool" else "int" if _integral(arg, INTEGER_COLUMNS[self.entity]) else ""
+        return A.AggCall(e.func, arg, e.distinct, e.span, kind)
+
+    def types(self, name: str) -> str | None:
+        """The type of a column of the statement's rows, or of an ``attr('key')`` it reads."""
+        t = COLUMN_TYPES[self.entity].get(name)
+        if t is None and name.startswith("attr("):
+            key = name[6:-2].replace("''", "'")
+            a = self.attrs.get(key)
+            return "text" if a == "json" else a
+        return t
+
+    def is_column(self, name: str) -> bool:
+        """Whether ``name`` (lower case) names a column of the rows the statement reads."""
+        return (name in ENTITY_COLUMNS[self.entity] or name in self.extra_columns
+                or (self.entity == "nodes" and name in NODE_ACCESSORS))
 
     def column(self, c: A.Column) -> A.Column:
         name = c.name.lower()
@@ -276,6 +360,29 @@ class Resolver:
             if ch not in self.channels:
                 self.channels.append(ch)
             return A.Call("reward", (A.Literal(ch, arg.span),), c.span)
+        if c.name == "attr":
+            scope = ATTR_SCOPES.get(self.entity)
+            arg = c.args[0]
+            if scope is None or not isinstance(arg, A.Literal | A.Param):
+                raise QueryError(f"attr() reads an attribute of a node, session or task by its key, e.g. "
+                                 f"attr('island'){_where(c.span)}", span=A.place(c.span))
+            key = self.text(arg, "an attribute key")
+            known_keys = self.cat.attr_types(scope)
+            if key not in known_keys:
+                raise QueryNameError(
+                    f"no {scope} has an attribute {key!r}{did_you_mean(key, known_keys)}"
+                    f"{known(scope + ' attributes', set(known_keys))}", span=A.place(arg.span))
+            self.attrs[key] = known_keys[key]
+            return A.Call("attr", (A.Literal(key, arg.span),), c.span)
+        if c.name == "has_label":
+            arg = c.args[0]
+            if self.entity != "nodes" or not isinstance(arg, A.Literal | A.Param):
+                raise QueryError(f"has_label() tests a node's membership by name, e.g. has_label('archive')"
+                                 f"{_where(c.span)}", span=A.place(c.span))
+            label = self.text(arg, "a label")
+            if label not in self.labels:
+                self.labels.append(label)
+            return A.Call("has_label", (A.Literal(label, arg.span),), c.span)
         if c.name == "ucb" and not ranking:
             raise QueryError(f"ucb() ranks the frontier; use it in RANK BY or ORDER BY{_where(c.span)}",
                              span=A.place(c.span))
@@ -284,7 +391,7 @@ class Resolver:
     def order(self, items: tuple[A.OrderItem, ...]) -> tuple[A.OrderItem, ...]:
         out = tuple(A.OrderItem(self.expr(i.expr, ranking=True), i.descending) for i in items)
         for i in out:
-            check(i.expr, COLUMN_TYPES[self.entity].get)
+            check(i.expr, self.types)
         return out
 
     def condition(self, e: A.Expr | None, clause: str) -> A.Expr | None:
@@ -292,22 +399,86 @@ class Resolver:
         if e is None:
             return None
         out = self.expr(e)
-        check_condition(out, COLUMN_TYPES[self.entity].get, clause)
+        check_condition(out, self.types, clause)
         return out
 
     def returning(self, items: tuple[A.Proj, ...]) -> tuple[A.Proj, ...]:
-        seen: set[str] = set()
         out = []
         for p in items:
             e = self.expr(p.expr)
-            check(e, COLUMN_TYPES[self.entity].get)
-            name = p.alias or _default_name(e)
-            if name in seen:
-                raise QueryError(f"two RETURN columns are named {name!r}; give one an alias with AS",
-                                 span=A.place(p.expr.span))
-            seen.add(name)
-            out.append(A.Proj(e, name))
-        return tuple(out)
+            check(e, self.types)
+            out.append(A.Proj(e, p.alias))
+        return _named(tuple(out))
+
+    def diversity(self, d: A.Diversity | None) -> A.Diversity | None:
+        """``PER <expression> k``: the expression is resolved and typed like any other."""
+        if d is None:
+            return None
+        with self.refusing_aggregates(_NO_AGGREGATE_IN["PER"]):
+            per = self.expr(d.per)
+        check(per, self.types)
+        return A.Diversity(per, A.Literal(self.count(d.k, "PER ... k", minimum=1)))
+
+    # -- selections: GROUP BY, HAVING, aggregates
+    def select(self, s: A.Select) -> A.Select:
+        self.entity = s.entity
+        scope = self.scope(s.scope)
+        with self.refusing_aggregates(_NO_AGGREGATE_IN["WHERE"]):
+            where = self.condition(s.where, "WHERE")
+        outputs = {p.alias.lower(): p.expr for p in s.returning if p.alias}  # the names RETURN gives with AS
+        with self.refusing_aggregates(_NO_AGGREGATE_IN["GROUP BY"]):
+            group_by = tuple(self.group_key(e, outputs) for e in s.group_by)
+        having = self.condition(_aliased(s.having, outputs), "HAVING") if s.having is not None else None
+        order = self.order(tuple(A.OrderItem(_aliased(i.expr, outputs), i.descending) for i in s.order))
+        out = replace(s, scope=scope, where=where, group_by=group_by, having=having, order=order,
+                      diversity=self.diversity(s.diversity), limit=_lit(self.count(s.limit, "LIMIT")),
+                      returning=self.returning(s.returning))
+        return self.grouped(out) if out.grouped else out
+
+    def group_key(self, e: A.Expr, outputs: Mapping[str, A.Expr]) -> A.Expr:
+        """A GROUP BY key; a name that is no column but a RETURN column's means that column's expression."""
+        if isinstance(e, A.Column) and not self.is_column(e.name.lower()) and e.name.lower() in outputs:
+            named = outputs[e.name.lower()]
+            if A.has_aggregate(named):
+                raise QueryError(f"GROUP BY {e.name}{_where(e.span)} names the RETURN column {e.name}, which is an "
+                                 f"aggregate ({show(named)}); group by values of each row, e.g. GROUP BY session_id, "
+                                 "and keep only some groups with HAVING", span=A.place(e.span))
+            e = named
+        out = self.expr(e)
+        check(out, self.types)
+        return out
+
+    def grouped(self, s: A.Select) -> A.Select:
+        """Check a grouped selection: every RETURN, HAVING and ORDER BY expression is made of GROUP BY
+        keys, aggregates and constants. Without RETURN it returns its keys."""
+        if s.diversity is not None:
+            raise QueryError("PER keeps at most k rows per value, and a grouped query's rows are groups; drop PER, "
+                             "or drop the GROUP BY / aggregates and use PER on the rows", span=A.place(s.span))
+        keys = {show(k) for k in s.group_by}
+        checks = [("RETURN", p.expr) for p in s.returning] + [("ORDER BY", o.expr) for o in s.order]
+        checks += [("HAVING", s.having)] if s.having is not None else []
+        for clause, e in checks:
+            loose = _loose(e, keys)
+            if loose is None:
+                continue
+            name = loose.name
+            if s.group_by:
+                grouped = ", ".join(show(k) for k in s.group_by)
+                raise QueryTypeError(
+                    f"{clause} uses {name}{_where(loose.span)}, which is neither a GROUP BY key nor inside an "
+                    f"aggregate; a grouped query returns one row per group, so add it to the keys "
+                    f"(GROUP BY {grouped}, {name}) or aggregate it, e.g. max({name}) or count(DISTINCT {name})",
+                    span=A.place(loose.span))
+            raise QueryTypeError(
+                f"{clause} uses {name}{_where(loose.span)} outside an aggregate, but a query with an aggregate "
+                f"and no GROUP BY returns one row for all the rows; aggregate it, e.g. max({name}), or group by "
+                f"it: GROUP BY {name}", span=A.place(loose.span))
+        if not s.returning:
+            if not s.group_by:
+                raise QueryError("an aggregate query without GROUP BY needs a RETURN saying what to compute, e.g. "
+                                 "RETURN count(*) AS n", span=A.place(s.span))
+            return replace(s, returning=_named(tuple(A.Proj(k, None) for k in s.group_by)))
+        return s
 
     # -- AS OF
     def as_of(self, a: A.AsOf | None) -> int:
@@ -339,9 +510,117 @@ class Resolver:
         assert isinstance(sid, str)
         cid = cat.step_commit(sid, step)
         if cid is None:
-            raise QueryError(f"session {sid!r} has no step {step} (no node with step <= {step}); see its nodes",
+            raise QueryError(f"session {sid!r} has no step {step}; {_steps_of(cat.session_steps(sid), step)}",
                              span=A.place(a.span))
         return cid
+
+
+def _steps_of(steps: list[int], step: int) -> str:
+    """What to say of a session's steps when AS OF STEP names one it does not have."""
+    if not steps:
+        return "it has no node with a step yet"
+    lo, hi = steps[0], steps[-1]
+    if lo == hi:
+        return f"its only step is {lo}"
+    if len(steps) == hi - lo + 1:
+        return f"its steps are {lo}..{hi}"
+    near = [x for x in (max((x for x in steps if x < step), default=None),
+                        min((x for x in steps if x > step), default=None)) if x is not None]
+    return f"its steps run {lo}..{hi} with gaps; the nearest are {' and '.join(map(str, near))}"
+
+
+def _named(items: tuple[A.Proj, ...]) -> tuple[A.Proj, ...]:
+    """RETURN columns with their names: the alias, else one from the expression; two alike are an error."""
+    seen: set[str] = set()
+    out = []
+    for p in items:
+        name = p.alias or _default_name(p.expr)
+        if name in seen:
+            raise QueryError(f"two RETURN columns are named {name!r}; give one an alias with AS",
+                             span=A.place(p.expr.span))
+        seen.add(name)
+        out.append(A.Proj(p.expr, name))
+    return tuple(out)
+
+
+def _children(e: A.Expr) -> list[A.Expr]:
+    """The expressions directly inside ``e``."""
+    out: list[A.Expr] = []
+    for f in dataclasses.fields(e):
+        v = getattr(e, f.name)
+        for x in v if isinstance(v, tuple) else (v,):
+            if isinstance(x, _EXPRS):
+                out.append(x)
+    return out
+
+
+def _rebuild(e: A.Expr, f: Callable[[A.Expr], A.Expr]) -> A.Expr:
+    """``e`` with ``f`` applied to each expression directly inside it."""
+    changes: dict[str, Any] = {}
+    for fl in dataclasses.fields(e):
+        v = getattr(e, fl.name)
+        if isinstance(v, _EXPRS):
+            changes[fl.name] = f(v)
+        elif isinstance(v, tuple) and any(isinstance(x, _EXPRS) for x in v):
+            changes[fl.name] = tuple(f(x) if isinstance(x, _EXPRS) else x for x in v)
+    return replace(e, **changes) if changes else e
+
+
+_EXPRS = (A.Literal, A.Param, A.Column, A.Call, A.AggCall, A.Neg, A.Binary, A.BoolOp, A.Not, A.IsNull, A.InList,
+          A.Between)
+
+
+def _aliased(e: A.Expr | None, outputs: Mapping[str, A.Expr]) -> A.Expr:
+    """``e`` (ORDER BY, HAVING) with each name RETURN gives (``AS name``) replaced by that column's
+    expression (as in SQL, the RETURN name wins over a column of the same name); names inside
+    an aggregate are columns of the rows."""
+    assert e is not None
+
+    def sub(x: A.Expr) -> A.Expr:
+        if isinstance(x, A.Column):
+            out = outputs.get(x.name.lower())
+            if out is None or (isinstance(out, A.Column) and out.name.lower() == x.name.lower()):
+                return x
+            return out
+        if isinstance(x, A.AggCall):
+            return x
+        return _rebuild(x, sub)
+
+    return sub(e)
+
+
+def _loose(e: A.Expr, keys: set[str]) -> A.Column | None:
+    """The first column of ``e`` outside every aggregate and GROUP BY key (None: ``e`` is grouped)."""
+    if isinstance(e, A.AggCall) or show(e) in keys:
+        return None
+    if isinstance(e, A.Column):
+        return e
+    for c in _children(e):
+        found = _loose(c, keys)
+        if found is not None:
+            return found
+    return None
+
+
+def _integral(e: A.Expr, ints: frozenset[str]) -> bool:
+    """Whether resolved ``e`` is a whole number (its sum is exact): a whole-number column or literal,
+    or + - * % abs least greatest coalesce count min max sum of those."""
+    match e:
+        case A.Literal():
+            return isinstance(e.value, int) and not isinstance(e.value, bool)
+        case A.Column():
+            return e.name in ints
+        case A.Neg():
+            return _integral(e.operand, ints)
+        case A.Binary():
+            return e.op in ("+", "-", "*", "%") and _integral(e.left, ints) and _integral(e.right, ints)
+        case A.Call():
+            return e.name in ("abs", "least", "greatest", "coalesce") and all(_integral(a, ints) for a in e.args)
+        case A.AggCall():
+            return e.func == "count" or (e.func in ("min", "max", "sum") and e.arg is not None
+                                         and _integral(e.arg, ints))
+        case _:
+            return False
 
 
 def _default_name(e: A.Expr) -> str:
@@ -349,9 +628,11 @@ def _default_name(e: A.Expr) -> str:
         case A.Column():
             return e.name
         case A.Call():
-            if e.name == "reward" and isinstance(e.args[0], A.Literal):
+            if e.name in ("reward", "attr", "has_label") and isinstance(e.args[0], A.Literal):
                 return str(e.args[0].value)
             return e.name
+        case A.AggCall():
+            return e.func
         case A.Literal() | A.Param() | A.Neg() | A.Binary() | A.BoolOp() | A.Not() | A.IsNull() | A.InList() \
                 | A.Between():
             return "value"
@@ -377,18 +658,12 @@ def _resolve(q: A.Query, r: Resolver) -> Bound:
     if isinstance(s, A.ViewCommand):
         raise QueryError(f"{s.action.upper()} is a view statement: run it with db.query, it has no plan")
     snapshot = r.as_of(q.as_of)
+    if not isinstance(s, A.Select):
+        r.no_aggregates = _no_aggregates(s)
     stmt: A.Statement
     match s:
         case A.Select():
-            r.entity = s.entity
-            stmt = replace(
-                s,
-                scope=r.scope(s.scope),
-                where=r.condition(s.where, "WHERE"),
-                order=r.order(s.order),
-                limit=_lit(r.count(s.limit, "LIMIT")),
-                returning=r.returning(s.returning),
-            )
+            stmt = r.select(s)
         case A.Frontier():
             if s.expanded is None:
                 r.accessors.add("has_children")  # the default EXPANDED rule: a mark join, not a count
@@ -398,14 +673,10 @@ def _resolve(q: A.Query, r: Resolver) -> Bound:
                 where=r.condition(s.where, "WHERE"),
                 expanded=r.condition(s.expanded, "EXPANDED WHEN"),
                 rank=r.order(s.rank),
-                diversity=A.Diversity(s.diversity.per, A.Literal(r.count(s.diversity.k, "PER ... k", minimum=1)))
-                if s.diversity is not None
-                else None,
+                diversity=r.diversity(s.diversity),
                 limit=_lit(r.count(s.limit, "LIMIT")),
                 returning=r.returning(s.returning),
             )
-            if s.diversity is not None and s.diversity.per == "parent":
-                r.accessors.add("parent")
         case A.Lineage():
             r.extra_columns = {"hop"}
             node = A.Literal(r.text(s.node, "a node id"), s.node.span)
@@ -443,13 +714,23 @@ def _resolve(q: A.Query, r: Resolver) -> Bound:
     return _bound(r, q, stmt, snapshot, None)
 
 
+def _no_aggregates(s: A.Statement) -> str:
+    """Why statement ``s`` (not a selection) takes no aggregate."""
+    name = {A.Frontier: "FRONTIER", A.Siblings: "SIBLINGS", A.PathQuery: "PATH", A.Retrieve: "RETRIEVE"}.get(
+        type(s), "SUBTREE" if getattr(s, "direction", "") == "subtree" else "LINEAGE")
+    return (f"{name} returns rows, and does not aggregate them; count(), sum(), avg(), min() and max() work in "
+            "NODES, SESSIONS, TASKS and REWARDS selections, e.g. NODES WHERE ... GROUP BY session_id RETURN "
+            f"session_id, count(*) AS n (the {name} result's rows are len(result))")
+
+
 def _bound(r: Resolver, q: A.Query, stmt: A.Statement, snapshot: int, vector: Any) -> Bound:
     unused = set(r.params) - r.used_params
     if unused:
         raise QueryNameError(
             f"parameter(s) {', '.join('$' + u for u in sorted(unused))} given but not used in the query"
         )
-    return Bound(q, stmt, snapshot, tuple(r.channels), frozenset(r.accessors), vector)
+    return Bound(q, stmt, snapshot, tuple(r.channels), frozenset(r.accessors), attrs=tuple(r.attrs.items()),
+                 labels=tuple(r.labels), vector=vector)
 
 
 def _retrieve(r: Resolver, s: A.Retrieve) -> tuple[A.Retrieve, Any]:

@@ -129,8 +129,22 @@ def catalog(latest: Snapshot) -> Catalog:
         commits=latest.state.commits,
         last_commit=latest.commit,
         step_commit=latest.step_commit,
+        session_steps=lambda sid: [int(r["step"]) for r in latest.rows(
+            "SELECT DISTINCT step FROM nodes_history WHERE session_id = $1 AND step IS NOT NULL ORDER BY step", [sid])],
         spaces=lambda target: {sp.name: sp.dim for sp in latest.spaces() if sp.target == target},
+        attr_types=lambda scope: attribute_types(latest, scope),
     )
+
+
+def attribute_types(snap: Snapshot, scope: str) -> dict[str, str]:
+    """The attribute keys of ``scope`` ever set (as of ``snap``) and the type of their values:
+    number, text or bool when every value ever set was one, else json. From the history, so a
+    key's type does not change with AS OF."""
+    rows = snap.rows(
+        "SELECT key, bool_and(num IS NOT NULL) AS n, bool_and(text IS NOT NULL) AS t, "
+        "bool_and(value IN ('true', 'false')) AS b FROM attributes_history "
+        "WHERE scope = $1 AND NOT retracted GROUP BY key", [scope])
+    return {r["key"]: "number" if r["n"] else "text" if r["t"] else "bool" if r["b"] else "json" for r in rows}
 
 
 def prepare(latest: Snapshot, text: str, params: Mapping[str, Any]) -> tuple[Bound, Plan, Compiled]:

@@ -29,6 +29,8 @@ def show(e: A.Expr) -> str:
             return e.name
         case A.Call():
             return f"{e.name}({', '.join(show(a) for a in e.args)})"
+        case A.AggCall():
+            return f"{e.func}({'DISTINCT ' if e.distinct else ''}{'*' if e.arg is None else show(e.arg)})"
         case A.Neg():
             return f"-{show(e.operand)}"
         case A.Binary():

@@ -37,7 +37,7 @@ _RESULT = {
     "reward": "number", "ucb": "number", "abs": "number", "ln": "number", "log10": "number", "sqrt": "number",
     "exp": "number", "power": "number", "round": "number", "floor": "number", "ceil": "number",
     "length": "number", "lower": "text", "upper": "text", "contains": "bool", "starts_with": "bool",
-    "least": "arg", "greatest": "arg", "coalesce": "arg",
+    "least": "arg", "greatest": "arg", "coalesce": "arg", "has_label": "bool",
 }
 #: What the arguments must be (None: any; "same": all alike).
 _ARGS = {
@@ -155,6 +155,8 @@ def typeof(e: A.Expr, columns: ColumnTypes) -> str:
                 _time_text(bound, bt, t)
             return "bool"
         case A.Call():
+            if e.name == "attr":  # its type is the attribute's, which the statement's column types know
+                return columns(show(e)) or "any"
             types = [typeof(a, columns) for a in e.args]
             want = _ARGS.get(e.name)
             if want == "same":
@@ -172,6 +174,19 @@ def typeof(e: A.Expr, columns: ColumnTypes) -> str:
             if result == "arg":
                 return next((t for t in types if t not in (NULL, "any")), "any")
             return result
+        case A.AggCall():
+            if e.arg is None:
+                return "number"
+            if e.func in ("sum", "avg"):
+                t = typeof(e.arg, columns)
+                if not _alike(t, "number") and t != "bool":
+                    raise _fail(f"{e.func}() takes numbers (or a condition: it then counts or averages where it "
+                                f"holds); {show(e.arg)} is {t}", e.arg,
+                                "pass a number column or value, e.g. "
+                                f"{e.func}(usd), or count(DISTINCT {show(e.arg)}) to count its values")
+                return "number"
+            t = typeof(e.arg, columns)
+            return "number" if e.func == "count" else t
         case _:
             assert_never(e)
 

@@ -19,6 +19,8 @@ view kind      ``trl``                                      ``openai`` (fine-tun
 sft            ``messages`` [system?, user, assistant]      ``messages`` (same)
 sft path=True  ``messages`` [system?, (user?, assistant?)    ``messages`` (same)
                per step, root first]
+sft messages=  ``messages``: the stored turns (role,        ``messages`` (same)
+               content), the path's root first
 preference     ``prompt`` [system?, user], ``chosen`` /     ``input.messages``, ``preferred_output`` /
                ``rejected`` [assistant]                     ``non_preferred_output`` [assistant]
 kto            ``prompt``, ``completion``, ``label``        (none: use trl or parquet)
@@ -302,7 +304,8 @@ def _write_parquet(
 
 
 #: The text columns ``_with_texts`` adds (named after their hash columns).
-_TEXT_NAMES = frozenset({"system", "prompt", "response", "chosen", "rejected", "prompts", "responses"})
+_TEXT_NAMES = frozenset({"system", "prompt", "response", "chosen", "rejected", "prompts", "responses", "message",
+                         "messages"})
 
 
 def _dictionaries(t: pa.Table) -> pa.Table:
@@ -391,7 +394,7 @@ def _with_texts(
     legacy = None
     if stored is None:  # a view that does not keep its texts (or stored before views did): resolved now
         rows, legacy = texts.encode(store, rows, reads.at_commit(int(entry["commit"])))
-    need = KINDS[spec.kind].export_texts
+    need = KINDS[spec.kind].texts_needed(spec)
     missing = np.zeros(rows.num_rows, bool)
     for col in need:
         c = rows[texts.CODE_PREFIX + col].combine_chunks()
@@ -405,7 +408,8 @@ def _with_texts(
         key = "node_id" if "node_id" in rows.column_names else ROW_KEYS[shape][0]
         ids = rows[key].filter(mask).to_pylist()
         names = {"prompt_hash": spec.prompt, "response_hash": spec.response, "chosen_hash": spec.response,
-                 "rejected_hash": spec.response, "response_hashes": spec.response, "prompt_hashes": spec.prompt}
+                 "rejected_hash": spec.response, "response_hashes": spec.response, "prompt_hashes": spec.prompt,
+                 "message_hash": spec.messages or "messages"}
         roles = ", ".join(sorted({names[c] for c in need}))
         raise ExportError(
             f"{n_missing} row(s) of view {spec.name!r} lack a {roles!r} artifact, e.g. {ids[:10]}; add the "

@@ -36,6 +36,9 @@ class ViewOptions:
     system: str = "system_prompt"
     via: tuple[str, ...] = LINEAGE
     path: bool = False  # sft: the root-to-node path as a multi-turn conversation
+    #: sft: the artifact holding a node's chat turns (a JSON array of {role, content}), exported
+    #: as they are instead of system/prompt/response turns (None: those)
+    messages: str | None = None
     #: keep the texts the rows name beside them (``texts.py``): exports read them instead of
     #: resolving them from the artifacts each time, for a copy of the texts on disk
     keep_texts: bool = True

@@ -34,9 +34,9 @@ class ViewSpec(ViewOptions):
         return KINDS[self.kind].paths(self)
 
     def __post_init__(self) -> None:
-        for f in ("reward", "where", "entropy", "prompt", "response", "system"):
+        for f in ("reward", "where", "entropy", "prompt", "response", "system", "messages"):
             v = getattr(self, f)
-            if not (isinstance(v, str) or (v is None and f in ("reward", "where", "entropy"))):
+            if not (isinstance(v, str) or (v is None and f in ("reward", "where", "entropy", "messages"))):
                 raise ValidationError(f"view option {f} must be a string, not {v!r}")
         for f in ("seed", "min_size", "size"):
             v = getattr(self, f)
@@ -52,6 +52,10 @@ class ViewSpec(ViewOptions):
         kind = KINDS.get(self.kind) if isinstance(self.kind, str) else None
         if self.path and (kind is None or "path" not in kind.options):
             raise ValidationError(f"path=True is an sft option (the root-to-node path); a {self.kind} view has none")
+        if self.messages is not None and (kind is None or "messages" not in kind.options):
+            raise ValidationError(f"messages= is an sft option (an artifact of chat turns); a {self.kind} view has none")
+        if self.messages == "":
+            raise ValidationError("messages= names an artifact (e.g. messages='messages'), not ''")
         if not isinstance(self.name, str) or not self.name or set(self.name) - _NAME_CHARS or len(self.name) > 128:
             raise ValidationError(f"view name {self.name!r} must be 1 to 128 letters, digits, '_' or '-'")
         if kind is None:

@@ -37,6 +37,8 @@ MAX_DEPTH = 1000
 #: The artifact roles (hash column prefix, parameter) a kind's rows name.
 ALL_ROLES: Final = (("system", "$__sys"), ("prompt", "$__prompt"), ("response", "$__resp"))
 PROMPT_ROLES: Final = (("system", "$__sys"), ("prompt", "$__prompt"))
+#: sft with ``messages=``: a node's chat turns, one artifact (JSON)
+MESSAGE_ROLES: Final = (("message", "$__msgs"),)
 
 #: Per group: mean, population std, size and success rate, summed in id order over a sorted
 #: list, so a group's figures are the same to the last bit whichever query computes them
@@ -66,7 +68,7 @@ def base(spec: ViewOptions, cat: Catalog, commit: int) -> Base:
     whole, and restricted to a refresh's ``__members``."""
     reward = spec.reward or "NULL"
     where = f" WHERE {spec.where}" if spec.where else ""
-    text = f"NODES{where} RETURN id, task_id, ({reward}) AS __reward AS OF COMMIT {commit}"
+    text = f"NODES{where} RETURN id, task_id, ({reward}) AS __reward, seq AS __seq AS OF COMMIT {commit}"
     try:
         bound = resolve(parse(text), cat, {})
         plan = P.build(bound)
@@ -121,7 +123,7 @@ def common(
     ctes = [f"b AS (SELECT * FROM ({nodes}) WHERE {'__reward IS NOT NULL' if scored else 'true'})",
             "art AS (SELECT node_id, name, hash FROM node_artifacts "
             f"WHERE name IN ({', '.join(p for _, p in roles)}) AND node_id IN (SELECT id FROM b))",
-            "a AS (SELECT b.id, b.task_id, b.__reward, " + ", ".join(f"{c}.hash AS {c}_hash" for c, _ in roles)
+            "a AS (SELECT b.id, b.task_id, b.__reward, b.__seq, " + ", ".join(f"{c}.hash AS {c}_hash" for c, _ in roles)
             + " FROM b " + " ".join(f"LEFT JOIN art {c} ON {c}.node_id = b.id AND {c}.name = {p}" for c, p in roles)
             + ")"]
     if spec.group_by == "parent":
@@ -155,7 +157,8 @@ def paths_from(leaves: str) -> str:
 
 def option_params(spec: ViewOptions) -> dict[str, Any]:
     """The parameters the kinds' SQL reads (``$__sys``, ``$__threshold`` ...)."""
-    return {"__sys": spec.system, "__prompt": spec.prompt, "__resp": spec.response, "__threshold": spec.threshold,
+    return {"__sys": spec.system, "__prompt": spec.prompt, "__resp": spec.response, "__msgs": spec.messages,
+            "__threshold": spec.threshold,
             "__margin": float(spec.margin), "__min": spec.min_size}
 
 

@@ -57,6 +57,15 @@ class ViewKind:
     def validate(self, spec: ViewOptions) -> None:
         """Checks of the kind's own options, after the common ones (``ValidationError``)."""
 
+    def roles_of(self, spec: ViewOptions) -> tuple[tuple[str, str], ...]:
+        """The artifact roles the rows of ``spec`` name (``roles``, unless an option changes them)."""
+        return self.roles
+
+    def texts_needed(self, spec: ViewOptions) -> tuple[str, ...]:
+        """The hash columns whose texts an export of ``spec`` needs (``export_texts``, unless an
+        option changes them)."""
+        return self.export_texts
+
     def shape(self, spec: ViewOptions) -> str:
         """The rows' layout (a key of ``schemas``)."""
         return self.name
@@ -82,7 +91,7 @@ class ViewKind:
     def sql(self, spec: ViewOptions, base: Base, restrict: bool, group_edges: bool = False) -> str:
         """The rows of ``spec`` over the selected nodes ``base`` (``training/sql.py``); see ``body``
         (``group_edges``: the restricted parent groups' edges are relation ``__group_edges``)."""
-        ctes = sql.common(spec, base, restrict=restrict, group_edges=group_edges, roles=self.roles,
+        ctes = sql.common(spec, base, restrict=restrict, group_edges=group_edges, roles=self.roles_of(spec),
                           scored=self.scored(spec), paths=self.paths(spec))
         recursive, body = self.body(spec, ctes, restrict)
         return ("WITH RECURSIVE " if recursive else "WITH ") + ", ".join(ctes) + " " + body

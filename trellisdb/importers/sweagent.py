@@ -1,0 +1,388 @@
+"""SWE-agent trajectories (``.traj``): one session, and one commit, per file.
+
+A ``.traj`` file is one JSON object: ``trajectory`` (per step ``thought``, ``action``,
+``observation``, ``response``, ``state`` -- the environment state after the step --, and in
+newer files ``execution_time``), ``history`` (the chat messages as the model saw them),
+``info`` (``exit_status``, ``submission``, ``model_stats``, ...), ``environment`` and, in
+newer files, ``replay_config``. The path is one ``.traj`` file or a folder searched
+recursively for them (in sorted order); each file is a unit, named by its path relative to
+the folder. Ids derive from that name, so an import is deterministic and a second one adds
+nothing. See ``docs/import-swe-agent.md`` for the whole mapping; in short:
+
+- the session ``swe-agent:<relpath>`` (agent ``swe-agent``, the model the replay config names,
+  config = ``{"environment", "replay_config"}`` as JSON), of the task the replay config's
+  problem statement names, else the file's stem (``task=`` overrides);
+- per step a node ``<session>#<k>`` (kind ``step``, step ``k``), ``derived_from`` the step
+  before; ``action`` and ``state`` in their columns; ``thought``, ``observation``, ``response``
+  as artifacts; ``messages``: the history messages the step added (JSON), so that an ``sft``
+  view with ``messages="messages", path=True`` exports the history message for message;
+- ``info``: ``exit_status`` and ``model_stats`` as session attributes, a ``submitted`` reward
+  on the last step, the ``submission`` patch as its artifact.
+
+>>> _split_history([{"role": "system"}, {"role": "user"}, {"role": "assistant", "action": "ls"},
+...                 {"role": "user"}], [{"action": "ls"}, {"action": "submit"}])
+[[{'role': 'system'}, {'role': 'user'}, {'role': 'assistant', 'action': 'ls'}], [{'role': 'user'}]]
+>>> _summary("Let's look.\\nThen edit.")
+"Let's look."
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from trellisdb.errors import ImportFormatError, ValidationError
+from trellisdb.importers.units import Unit
+from trellisdb.names import check_name, did_you_mean
+
+__all__ = ["AGENT", "FORMAT", "source_name", "units"]
+
+FORMAT = "swe-agent"
+AGENT = "swe-agent"
+#: The options ``units`` takes (``import_run(db, "swe-agent", path, **options)``).
+OPTIONS = ("task",)
+#: The artifact of each step holding the history messages it added (a JSON array).
+MESSAGES = "messages"
+#: A node's summary: the first line of its thought, at most this many characters.
+SUMMARY_CHARS = 200
+#: Attributes above this size as JSON are kept as artifacts instead (the write API's limit).
+ATTR_MAX_BYTES = 64 * 1024
+#: The step fields the import maps itself; any other is kept under its own name.
+_STEP_FIELDS = ("thought", "action", "observation", "response", "state", "execution_time")
+#: The artifact names the import gives a step; a step field of one of these names gets ``step_`` before it.
+_RESERVED = frozenset({"thought", "observation", "response", MESSAGES, "submission"})
+#: The ``info`` fields the import maps itself; any other is kept under its own name.
+_INFO_FIELDS = ("exit_status", "submission", "model_stats")
+#: The reward channel saying the agent submitted (not that the submission is right).
+SUBMITTED = "submitted"
+VERIFIER = "swe-agent exit_status"
+
+JsonPath = tuple[str | int, ...]
+
+
+# ------------------------------------------------------------------ options and files
+
+
+def _options(options: Mapping[str, Any]) -> str | None:
+    unknown = [k for k in options if k not in OPTIONS]
+    if unknown:
+        raise ValidationError(f"unknown swe-agent import option {unknown[0]!r}{did_you_mean(unknown[0], OPTIONS)}; "
+                              f"options are {', '.join(OPTIONS)}")
+    task = options.get("task")
+    if task is not None:
+        check_name(task, "task id (task=)")
+    return task
+
+
+def _files(path: str) -> list[tuple[str, str]]:
+    """(file, name) of every trajectory: the file itself, or the folder's ``*.traj`` files by
+    their path relative to it (``/``-separated), sorted."""
+    if os.path.isfile(path):
+        return [(path, os.path.basename(path))]
+    if not os.path.isdir(path):
+        raise ImportFormatError(f"{path}: neither a .traj file nor a folder of them")
+    root = Path(path)
+    found = sorted((p.relative_to(root).as_posix(), str(p)) for p in root.rglob("*.traj") if p.is_file())
+    if not found:
+        raise ImportFormatError(f"{path}: no .traj files in this folder or below; give a SWE-agent trajectory "
+                                "file or the folder SWE-agent wrote them to")
+    return [(f, name) for name, f in found]
+
+
+def source_name(path: str, **options: Any) -> str:
+    """What identifies the import (its units are skipped when imported again): the absolute path
+    given (a folder, or one file)."""
+    _options(options)
+    return os.path.abspath(path)
+
+
+# ------------------------------------------------------------------ locating errors
+
+
+def _line_of(text: str, path: JsonPath) -> int:
+    """The line of the JSON value at ``path`` in ``text`` (of the object or list holding it, for
+    a scalar). Parses again in pure Python, recording where each object and list starts: run
+    only to report an error."""
+    starts: dict[int, int] = {}
+    dec = json.JSONDecoder()
+
+    def track(parse: Callable[..., tuple[Any, int]]) -> Callable[..., tuple[Any, int]]:
+        def run(state: tuple[str, int], *args: Any) -> tuple[Any, int]:
+            value, end = parse(state, *args)
+            starts[id(value)] = state[1] - 1
+            return value, end
+        return run
+
+    dec.parse_object = track(json.decoder.JSONObject)  # type: ignore[attr-defined]
+    dec.parse_array = track(json.decoder.JSONArray)  # type: ignore[attr-defined]
+    dec.scan_once = json.scanner.py_make_scanner(dec)  # type: ignore[attr-defined]
+    try:
+        doc, _ = dec.raw_decode(text)
+    except ValueError:
+        return 1
+    node, pos = doc, starts.get(id(doc), 0)
+    for key in path:
+        try:
+            node = node[key]
+        except (KeyError, IndexError, TypeError):
+            break
+        pos = starts.get(id(node), pos)
+    return text.count("\n", 0, pos) + 1
+
+
+class _File:
+    """One trajectory file being read: its text (for the lines of errors) and its name."""
+
+    def __init__(self, file: str, text: str) -> None:
+        self.file = file
+        self.text = text
+
+    def error(self, path: JsonPath, what: str) -> ImportFormatError:
+        where = "".join(f"[{k}]" if isinstance(k, int) else f".{k}" for k in path).lstrip(".") or "the file"
+        return ImportFormatError(f"{self.file}:{_line_of(self.text, path)}: {where}: {what}")
+
+    def text_field(self, obj: Mapping[str, Any], key: str, path: JsonPath) -> str | None:
+        v = obj.get(key)
+        if v is not None and not isinstance(v, str):
+            raise self.error((*path, key), f"is a {_kind(v)}, not text; SWE-agent writes it as a string")
+        return v
+
+
+def _kind(v: Any) -> str:
+    return {dict: "JSON object", list: "JSON list", str: "string", bool: "boolean", int: "number",
+            float: "number"}.get(type(v), type(v).__name__)
+
+
+def _read(file: str) -> tuple[_File, dict[str, Any]]:
+    try:
+        with open(file, "rb") as fh:
+            data = fh.read()
+    except OSError as e:
+        raise ImportFormatError(f"{file}: cannot be read ({e.strerror})") from None
+    try:
+        text = data.decode()
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        raise ImportFormatError(f"{file}:{line}: not UTF-8 text (byte {e.start}); a .traj file is JSON") from None
+    try:
+        doc = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ImportFormatError(f"{file}:{e.lineno}:{e.colno}: not valid JSON ({e.msg}); a .traj file is one "
+                                "JSON object") from None
+    f = _File(file, text)
+    if not isinstance(doc, dict):
+        raise f.error((), f"is a {_kind(doc)}; a .traj file is one JSON object with 'trajectory' and 'history'")
+    if "trajectory" not in doc and "history" not in doc:
+        raise f.error((), "has neither 'trajectory' nor 'history'; is it a SWE-agent .traj file?")
+    return f, doc
+
+
+# ------------------------------------------------------------------ mapping
+
+
+def _summary(thought: str | None) -> str | None:
+    """The first non-empty line of a thought, at most ``SUMMARY_CHARS`` characters."""
+    for line in (thought or "").splitlines():
+        if line.strip():
+            return line.strip()[:SUMMARY_CHARS]
+    return None
+
+
+def _json(value: Any) -> str:
+    return json.dumps(value, ensure_ascii=False)
+
+
+def _match(msg: Mapping[str, Any], steps: Sequence[Mapping[str, Any]], start: int) -> int | None:
+    """The first step from ``start`` whose action (or response) is the assistant message's."""
+    action, content = msg.get("action"), msg.get("content")
+    for j in range(start, len(steps)):
+        s = steps[j]
+        if (isinstance(action, str) and s.get("action") == action) or \
+                (isinstance(content, str) and s.get("response") == content):
+            return j
+    return None
+
+
+def _split_history(history: Sequence[Mapping[str, Any]], steps: Sequence[Mapping[str, Any]]
+                   ) -> list[list[Mapping[str, Any]]]:
+    """Per step, the history messages it added: everything after the previous step's assistant
+    message up to and including its own (an assistant message belongs to the first step, from
+    the one after the previous message's, whose action or response it repeats; else to that
+    next step). Messages after the last assistant message go to the last step. Read in step
+    order, the parts are the history, message for message."""
+    parts: list[list[Mapping[str, Any]]] = [[] for _ in steps]
+    pending: list[Mapping[str, Any]] = []
+    nxt = 0
+    for m in history:
+        pending.append(m)
+        if m.get("role") == "assistant":
+            j = _match(m, steps, nxt)
+            if j is None:
+                j = min(nxt, len(steps) - 1)
+            parts[j].extend(pending)
+            pending = []
+            nxt = j + 1
+    parts[-1].extend(pending)
+    return parts
+
+
+class _Rows:
+    """The rows of one unit, by table, with its artifacts stored once."""
+
+    def __init__(self) -> None:
+        self.rows: dict[str, list[dict[str, Any]]] = {}
+        self._hashes: set[str] = set()
+
+    def add(self, table: str, row: dict[str, Any]) -> None:
+        self.rows.setdefault(table, []).append(row)
+
+    def content(self, data: bytes, media_type: str | None) -> str:
+        h = hashlib.sha256(data).hexdigest()
+        if h not in self._hashes:
+            self._hashes.add(h)
+            self.add("artifacts", {"hash": h, "media_type": media_type, "size": len(data), "content": data})
+        return h
+
+    def artifact(self, node: str, name: str, text: str, media_type: str = "text/plain") -> None:
+        self.add("node_artifacts", {"node_id": node, "name": name, "hash": self.content(text.encode(), media_type)})
+
+    def attr(self, scope: str, entity: str, key: str, value: Any, session: str) -> None:
+        self.add("attributes", {"scope": scope, "entity": entity, "key": key, "value": _json(value),
+                                "session_id": session})
+
+    def keep(self, scope: str, entity: str, key: str, value: Any, session: str, node: str | None) -> None:
+        """An extra field: a string as an artifact of ``node`` (when there is one), other values
+        as an attribute while their JSON fits ``ATTR_MAX_BYTES``, else as an artifact of ``node``
+        (JSON text) or, without one, a stored artifact the attribute ``<key>_sha256`` names."""
+        if isinstance(value, str) and node is not None:
+            self.artifact(node, key, value)
+            return
+        text = _json(value)
+        if len(text.encode()) <= ATTR_MAX_BYTES:
+            self.attr(scope, entity, key, value, session)
+        elif node is not None:
+            self.artifact(node, key, text, "application/json")
+        else:
+            self.attr(scope, entity, f"{key}_sha256", self.content(text.encode(), "application/json"), session)
+
+
+def _replay_config(f: _File, doc: Mapping[str, Any]) -> dict[str, Any] | None:
+    rc = doc.get("replay_config")
+    if isinstance(rc, str):  # some versions write it as JSON text
+        try:
+            rc = json.loads(rc)
+        except ValueError:
+            raise f.error(("replay_config",), "is text that is not JSON; SWE-agent writes the run's config "
+                                              "there (an object, or its JSON text)") from None
+    if rc is not None and not isinstance(rc, dict):
+        raise f.error(("replay_config",), f"is a {_kind(rc)}, not a JSON object")
+    return rc
+
+
+def _dig(d: Any, *keys: str) -> Any:
+    for k in keys:
+        if not isinstance(d, dict):
+            return None
+        d = d.get(k)
+    return d
+
+
+def _unit(file: str, name: str, task_opt: str | None) -> Unit:
+    f, doc = _read(file)
+    steps = doc.get("trajectory", [])
+    if not isinstance(steps, list):
+        raise f.error(("trajectory",), f"is a {_kind(steps)}; it is the list of steps")
+    history = doc.get("history", [])
+    if not isinstance(history, list):
+        raise f.error(("history",), f"is a {_kind(history)}; it is the list of chat messages")
+    info = doc.get("info", {})
+    if not isinstance(info, dict):
+        raise f.error(("info",), f"is a {_kind(info)}, not a JSON object")
+    rc = _replay_config(f, doc)
+    for i, m in enumerate(history):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not m["role"]:
+            raise f.error(("history", i), "is not a chat message: each is an object with a string 'role' "
+                                          "(system, user, assistant, tool) and its 'content'")
+    for i, s in enumerate(steps):
+        if not isinstance(s, dict):
+            raise f.error(("trajectory", i), f"is a {_kind(s)}; each step is an object (thought, action, "
+                                             "observation, response, state)")
+        for key in ("thought", "action", "observation", "response"):
+            f.text_field(s, key, ("trajectory", i))
+        if s.get("state") is not None and not isinstance(s["state"], str | dict):
+            raise f.error(("trajectory", i, "state"), f"is a {_kind(s['state'])}; the state is JSON text or an object")
+        t = s.get("execution_time")
+        if t is not None and (isinstance(t, bool) or not isinstance(t, int | float) or not t >= 0):
+            raise f.error(("trajectory", i, "execution_time"), f"is {t!r}, not a number of seconds")
+    exit_status = f.text_field(info, "exit_status", ("info",))
+    submission = f.text_field(info, "submission", ("info",))
+    stats = info.get("model_stats")
+    if stats is not None and not isinstance(stats, dict):
+        raise f.error(("info", "model_stats"), f"is a {_kind(stats)}, not a JSON object")
+
+    sid = f"swe-agent:{name}"
+    task = task_opt or _dig(rc, "problem_statement", "id") or Path(name).stem
+    model = _dig(rc, "agent", "model", "name") or _dig(rc, "agent", "model", "model_name")
+    try:
+        check_name(sid, "session id (swe-agent:<path>)")
+        check_name(task, "task id")
+        if model is not None:
+            check_name(model, "model")
+    except ValidationError as e:
+        raise f.error((), str(e)) from None
+    config = {k: v for k, v in (("environment", doc.get("environment")), ("replay_config", rc)) if v is not None}
+    out = _Rows()
+    out.add("tasks", {"id": task, "name": task, "spec": _dig(rc, "problem_statement", "text")})
+    out.add("sessions", {"id": sid, "task_id": task, "agent": AGENT, "model": model,
+                         "config": _json(config) if config else None, "status": "completed"})
+    ids = [f"{sid}#{k}" for k in range(1, len(steps) + 1)]
+    parts = _split_history(history, steps) if steps else []
+    for i, (nid, s) in enumerate(zip(ids, steps, strict=True)):
+        state = s.get("state")
+        out.add("nodes", {"id": nid, "session_id": sid, "task_id": task, "kind": "step", "step": i + 1,
+                          "summary": _summary(s.get("thought")), "seconds": s.get("execution_time"),
+                          "source": AGENT, "action": s.get("action"),
+                          "state": state if state is None or isinstance(state, str) else _json(state)})
+        if i:
+            out.add("edges", {"src": ids[i - 1], "dst": nid, "kind": "derived_from", "session_id": sid})
+        for key in ("thought", "observation", "response"):
+            if s.get(key) is not None:
+                out.artifact(nid, key, s[key])
+        if parts[i]:
+            out.artifact(nid, MESSAGES, _json(parts[i]), "application/json")
+        for key, v in s.items():
+            if key not in _STEP_FIELDS and v is not None:
+                out.keep("node", nid, f"step_{key}" if key in _RESERVED else key, v, sid, nid)
+    last = ids[-1] if ids else None
+    if not steps and history:  # no step to hold the messages: the session keeps them whole
+        out.keep("session", sid, "history", history, sid, None)
+    if exit_status is not None:
+        out.attr("session", sid, "exit_status", exit_status, sid)
+        if last is not None:
+            out.add("rewards", {"node_id": last, "channel": SUBMITTED, "verifier": VERIFIER,
+                                "value": 1.0 if exit_status.startswith("submitted") else 0.0})
+    for key, v in (stats or {}).items():
+        if v is not None:
+            out.keep("session", sid, key, v, sid, None)
+    if submission is not None:
+        if last is not None:
+            out.artifact(last, "submission", submission, "text/x-diff")
+        else:
+            out.keep("session", sid, "submission", submission, sid, None)
+    for key, v in info.items():
+        if key not in _INFO_FIELDS and v is not None:
+            out.keep("session", sid, key, v, sid, last)
+    return Unit(name=name, rows=out.rows, where=file, message=f"import swe-agent {name}")
+
+
+def units(path: str, **options: Any) -> Iterator[Unit]:
+    """One :class:`Unit` per trajectory file, in sorted order (see the module notes and
+    ``docs/import-swe-agent.md``); a file that cannot be read raises ImportFormatError naming
+    it and the line, when its turn comes (the files before it are committed by then)."""
+    task = _options(options)
+    for file, name in _files(path):
+        yield _unit(file, name, task)
