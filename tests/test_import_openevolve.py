@@ -147,6 +147,34 @@ def test_memberships_as_of_every_checkpoint_are_that_checkpoints_sets(
 
 
 @shared
+def test_tql_answers_every_checkpoint_as_the_readme_shows(imported: tuple[trellisdb.Database, Any]) -> None:
+    """Issue 24's acceptance in TQL (the README's queries): population, best, each island and the
+    archive AS OF TAG 'checkpoint_k' are that checkpoint's sets; the best per island too."""
+    db, _ = imported
+    for k in checkpoints():
+        progs, md = programs_of(k), metadata_of(k)
+        at = f"AS OF TAG 'checkpoint_{k}'"
+
+        def ids(q: str, at: str = at) -> set[str]:
+            return {r["id"] for r in db.query(f"{q} {at}").to_pylist()}
+
+        assert ids("NODES WHERE has_label('population') RETURN id") == set(progs), k
+        assert ids("NODES WHERE has_label('best') RETURN id") == {md["best_program_id"]}, k
+        for i, isl in enumerate(md["islands"]):
+            assert ids(f"NODES WHERE has_label('island_{i}') RETURN id") == set(isl) & set(progs), (k, i)
+        assert ids("NODES WHERE has_label('archive') RETURN id") == set(md["archive"]) & set(progs), k
+        best = db.query("FRONTIER WHERE has_label('population') EXPANDED WHEN false "
+                        f"RANK BY reward('combined_score') DESC PER attr('island') 1 RETURN id, attr('island') AS i {at}")
+        want = db.sql("SELECT a.num AS i, max(r.value) AS best FROM labels l "
+                      "LEFT JOIN attributes a ON a.scope = 'node' AND a.entity = l.node_id AND a.key = 'island' "
+                      "JOIN rewards r ON r.node_id = l.node_id AND r.channel = 'combined_score' "
+                      "WHERE l.label = 'population' GROUP BY ALL", as_of=f"checkpoint_{k}").to_pylist()
+        got = best.to_pylist()
+        assert sorted((r["i"], progs[r["id"]]["metrics"]["combined_score"]) for r in got) == sorted(
+            (w["i"], w["best"]) for w in want), k
+
+
+@shared
 def test_lineage_of_the_best_as_of_every_checkpoint_is_its_parent_chain(
     imported: tuple[trellisdb.Database, Any],
 ) -> None:

@@ -25,10 +25,11 @@ import contextlib
 import datetime as dt
 import logging
 import os
+import re
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -72,6 +73,8 @@ CHECKPOINT_DELAY = 1.0
 #: The columns of a node's latest row that a rewrite (a status change) copies: ``born`` resolved
 #: to the commit that first wrote the node, so the rewrite keeps the node's insertion order.
 _REWRITE = "* EXCLUDE (commit_id, born, seq), coalesce(born, commit_id) AS born"
+#: An artifact hash as trellisdb writes it (sha256, lower-case hex).
+_SHA256 = re.compile(r"[0-9a-f]{64}")
 #: Artifact hashes confirmed stored, kept to answer repeated duplicates without a query.
 KNOWN_HASHES = 4096
 
@@ -141,6 +144,8 @@ class Committer:
         self._failure: _Failure | None = None
         self._retry_delay = 0.0
         self._known_nodes: set[str] = set()
+        #: session and task ids known committed (this writer's commits): few, kept whole
+        self._known_ids: dict[str, set[str]] = {"sessions": set(), "tasks": set()}
         #: artifact hashes confirmed stored (a bounded cache: duplicates recur)
         self._known_hashes: set[str] = set()
         #: fingerprints of the stored artifacts, as of commit ``_fp_upto`` (-1: not loaded) and
@@ -359,6 +364,14 @@ class Committer:
                 self._compact(written)
                 self.after_commit(data)
             self._known_nodes.update(batch.nodes)
+            self._known_ids["sessions"].update(batch.sessions)
+            self._known_ids["tasks"].update(batch.tasks)
+            for name, t in (extra or {}).items():
+                if name in ("sessions", "tasks"):
+                    self._known_ids[name].update(t.column("id").to_pylist())
+                elif payload is not None and name in ("nodes", "artifacts"):  # a small ingest's, as add_node's
+                    self._remember_stored(name, t.column("id" if name == "nodes" else "hash").to_pylist())
+            self._remember_stored("artifacts", batch.hashes)
             if self._fp_upto >= 0:
                 with self._fp_lock:
                     self._fingerprints.add_hashes(batch.hashes)
@@ -620,6 +633,39 @@ class Committer:
                 rows = []
             out.update((r["id"], r) for r in rows)
         return out
+
+    def _remember_stored(self, table: str, values: Iterable[str]) -> None:
+        """Remember node ids (all) or artifact hashes (a bounded cache: duplicates recur) this
+        writer committed."""
+        if table == "nodes":
+            self._known_nodes.update(values)
+            return
+        if len(self._known_hashes) >= KNOWN_HASHES:
+            self._known_hashes.clear()
+        self._known_hashes.update(values)
+
+    def known(self, table: str, col: str, values: Sequence[str]) -> tuple[set[str], set[str]]:
+        """What memory says of committed ``table.col`` for ``values``: (present, absent); the
+        rest is unknown (a query decides). Node ids and artifact hashes absent by their
+        fingerprints (no false negatives; caught up with the log first), node ids present
+        when known; session and task ids present when this writer committed them."""
+        if (table, col) == ("nodes", "id"):
+            present = {v for v in values if v in self._known_nodes}
+            rest = [v for v in values if v not in present]
+            with self._nfp_lock:
+                self._catch_up_node_fingerprints()
+                maybe = self._node_fps.may_contain_many(id_hash(v) for v in rest)
+            return present, {v for v, m in zip(rest, maybe.tolist(), strict=True) if not m}
+        if (table, col) == ("artifacts", "hash"):
+            hexes = [v for v in values if _SHA256.fullmatch(v)]  # anything else: the query answers
+            with self._fp_lock:
+                self._catch_up_fingerprints()
+                maybe = self._fingerprints.may_contain_many(hexes)
+            absent = {v for v, m in zip(hexes, maybe.tolist(), strict=True) if not m}
+            return {v for v in values if v in self._known_hashes} - absent, absent
+        if col == "id" and table in self._known_ids:
+            return set(values) & self._known_ids[table], set()
+        return set(), set()
 
     def node_original(self, node_id: str, edge_kind: str) -> tuple[dict[str, Any], set[str]] | None:
         """The first row written for a node and its ``edge_kind`` parents from

@@ -288,7 +288,7 @@ class Database:
         from trellisdb.bulk import prepare_bulk
 
         checked = commit_meta(meta)
-        prepared = prepare_bulk(self._reads.at(), self.embedding_dim, tables)
+        prepared = prepare_bulk(self._reads.at(), self.embedding_dim, tables, known=self._committer.known)
         return self._committer.commit(Batch(), message, extra=prepared, meta=checked)
 
     def compact(self, prune_older_than: dt.timedelta = PRUNE_GRACE) -> dict[str, Any]:

@@ -72,6 +72,22 @@ class Fingerprints:
             m = m[np.concatenate(([True], m[1:] != m[:-1]))]
         self._sorted = m
 
+    def may_contain_many(self, hashes: Iterable[str]) -> np.ndarray:
+        """``may_contain`` of each hash, at once (a vectorized search of the sorted array).
+
+        >>> f = Fingerprints(); f.add_hashes(["ab" * 32])
+        >>> f.may_contain_many(["ab" * 32, "cd" * 32]).tolist()
+        [True, False]
+        """
+        fps = np.fromiter((fingerprint(h) for h in hashes), np.uint64)
+        hit = np.zeros(len(fps), bool)
+        if len(self._sorted):
+            i = np.minimum(np.searchsorted(self._sorted, fps), len(self._sorted) - 1)
+            hit = self._sorted[i] == fps
+        if self._recent:
+            hit |= np.isin(fps, np.fromiter(self._recent, np.uint64, len(self._recent)))
+        return hit
+
     def may_contain(self, h: str) -> bool:
         fp = fingerprint(h)
         if fp in self._recent:

@@ -193,6 +193,13 @@ def gathered(
 LANCE_UPTO = "getvariable('trellis_lance_upto')"
 
 
+def _derived(name: str) -> str:
+    """The columns a table's views add to its stored ones (``, expr AS col``): ``seq`` of nodes,
+    the insertion order (a row cannot hold it: it is written before its commit id is known).
+    The mirror stores it, computed once as rows are copied."""
+    return f", {SEQ_SQL} AS seq" if name == "nodes" else ""
+
+
 def _narrow(name: str) -> str:
     wide = WIDE.get(name)
     return f"SELECT * EXCLUDE ({', '.join(wide)}) FROM __src_{name}" if wide else f"SELECT * FROM __src_{name}"
@@ -534,7 +541,8 @@ class SqlEngine:
         mirrored = name in self.mirrored
         if done is None:
             if mirrored:
-                con.execute(f"CREATE OR REPLACE TABLE __mir_{name} AS {_narrow(name)} LIMIT 0")
+                con.execute(f"CREATE OR REPLACE TABLE __mir_{name} AS SELECT *{_derived(name)} FROM "
+                            f"({_narrow(name)}) LIMIT 0")
             con.execute(
                 f"CREATE OR REPLACE TABLE __sup_{name} AS "
                 f"SELECT {keys}, commit_id, commit_id AS by_commit FROM __lance_{name} LIMIT 0"
@@ -562,8 +570,9 @@ class SqlEngine:
         added = 0
         if wal.touches(name, done, snapshot):
             order = f" ORDER BY {CLUSTER[name]}" if name in CLUSTER else ""
-            row = con.execute(f"INSERT INTO __mir_{name} {_narrow(name).replace('__src_', '__wal_')} "
-                              f"WHERE commit_id > {int(done)} AND commit_id <= {int(snapshot)}{order}").fetchone()
+            row = con.execute(f"INSERT INTO __mir_{name} SELECT *{_derived(name)} FROM "
+                              f"({_narrow(name).replace('__src_', '__wal_')} "
+                              f"WHERE commit_id > {int(done)} AND commit_id <= {int(snapshot)}){order}").fetchone()
             added += int(row[0]) if row and row[0] else 0
         if not new or done >= wal.upto:
             return added > 0
@@ -578,7 +587,7 @@ class SqlEngine:
             rows = ds.scanner(
                 columns=cols, fragments=new, filter=f"commit_id > {int(done)} AND commit_id <= {int(snapshot_lance)}"
             ).to_reader()
-        insert = f"INSERT INTO __mir_{name} SELECT * FROM __new_rows WHERE commit_id > {int(done)} AND " \
+        insert = f"INSERT INTO __mir_{name} SELECT *{_derived(name)} FROM __new_rows WHERE commit_id > {int(done)} AND " \
             f"{_visible(snapshot_lance, aborted)}"
         parts: Iterable[pa.Table | pa.RecordBatchReader] = [rows]
         if name in CLUSTER:
@@ -613,8 +622,8 @@ class SqlEngine:
                 narrow = _narrow(name) + f" WHERE {visible}"
             history = {name: narrow, f"{name}_full": full} if name in WIDE else {name: narrow}
             for view, rows in history.items():
-                if name == "nodes":  # the insertion order, computed: a row cannot know its commit id
-                    rows = f"SELECT *, {SEQ_SQL} AS seq FROM ({rows})"
+                if name == "nodes" and not rows.startswith("SELECT * FROM __mir_"):  # the mirror stores it
+                    rows = f"SELECT *{_derived(name)} FROM ({rows})"
                 con.execute(f"CREATE OR REPLACE TEMP VIEW {view}_history AS {rows}")
                 if name in broken:  # unreadable now (a plain definition that fails clearly only when
                     # used), or never refreshed (correct, without the mirror's speed)

@@ -308,15 +308,6 @@ def attribute_value(key: str, value: object) -> dict[str, Any]:
     return {"value": text, "num": num, "text": value if isinstance(value, str) else None, "retracted": False}
 
 
-def attribute_columns(text: str | None) -> tuple[float | None, str | None]:
-    """``num`` and ``text`` of a stored JSON value (for rows that arrive as tables)."""
-    if text is None:
-        return None, None
-    v = json.loads(text)
-    num = float(v) if isinstance(v, int | float) and not isinstance(v, bool) else None
-    return num, v if isinstance(v, str) else None
-
-
 def event_time(value: object, what: str = "at") -> dt.datetime | None:
     """An event time as stored (UTC): a timezone-aware ``datetime``, seconds since the Unix
     epoch (int or float), or ISO-8601 text with an offset (``Z`` allowed). A time without a

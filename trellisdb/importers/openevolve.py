@@ -222,7 +222,20 @@ def _json_safe(value: Any) -> Any:
 
 
 def _dumps(value: Any) -> str:
+    """``value`` as JSON text (keys sorted); scalars without the encoder's per-call setup."""
+    if isinstance(value, str):
+        return str(_ENCODE_STR(value))
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, float) and math.isfinite(value):
+        return repr(value)
     return json.dumps(value, sort_keys=True, allow_nan=False, ensure_ascii=False)
+
+
+#: JSON text of a string, as ``json.dumps(s, ensure_ascii=False)`` writes it
+_ENCODE_STR: Any = getattr(json.encoder, "c_encode_basestring", None) or json.encoder.py_encode_basestring
 
 
 def _utf8(text: str, where: str, what: str) -> bytes:
