@@ -380,8 +380,13 @@ class SqlEngine:
             con.execute(f"SET VARIABLE trellis_snapshot = {int(snapshot)}")
             self._local.snapshot = snapshot
         key = (tuple(aborted), broken, superseded)
-        if getattr(self._local, "views_key", None) != key:
-            self._create_views(con, aborted, broken, superseded)
+        old = getattr(self._local, "views_key", None)
+        if old != key:
+            # only the tables whose views changed (a table copied, or one found superseded, for the
+            # first time); every table when the aborted ids changed
+            changed = DATA_TABLES if old is None or old[0] != key[0] else tuple(
+                n for n in DATA_TABLES if (n in old[1]) != (n in broken) or (n in old[2]) != (n in superseded))
+            self._create_views(con, aborted, broken, superseded, changed)
             self._local.views_key = key
         commits_key, table = self._commits.get(state)
         if getattr(self._local, "commits_key", None) != commits_key:
@@ -608,12 +613,13 @@ class SqlEngine:
         return added > 0
 
     def _create_views(
-        self, con: duckdb.DuckDBPyConnection, aborted: list[int], broken: frozenset[str], superseded: frozenset[str]
+        self, con: duckdb.DuckDBPyConnection, aborted: list[int], broken: frozenset[str], superseded: frozenset[str],
+        tables: Sequence[str] = DATA_TABLES,
     ) -> None:
         visible = f"commit_id <= {SNAPSHOT}"
         if aborted:
             visible += f" AND commit_id NOT IN ({', '.join(str(int(i)) for i in aborted)})"
-        for name in DATA_TABLES:
+        for name in tables:
             on = " AND ".join(f"h.{k} = s.{k}" for k in (*KEYS[name], "commit_id"))
             full = f"SELECT * FROM __src_{name} WHERE {visible}"
             if name in self.mirrored and name not in broken:  # aborted rows never enter the mirror

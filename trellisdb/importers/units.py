@@ -9,9 +9,11 @@ import interrupted anywhere is finished by running it again, and one run twice a
 
 from __future__ import annotations
 
+import queue
 import sys
+import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -86,12 +88,53 @@ def _tables(db: Database, rows: dict[str, list[dict[str, Any]]], tasks: set[str]
         if not rs:
             continue
         sch = table_schema(name, db.embedding_dim)
-        cols = list(dict.fromkeys(k for r in rs for k in r))
-        unknown = [c for c in cols if c not in sch.names]
+        given: set[str] = set().union(*rs)  # the keys of every row (a loop in C)
+        unknown = sorted(given - set(sch.names))
         if unknown:
             raise TrellisError(f"internal: importer rows for {name!r} have unknown columns {unknown}")
-        out[name] = pa.Table.from_pylist(rs, schema=pa.schema([sch.field(c) for c in cols]))
+        out[name] = pa.Table.from_pylist(rs, schema=pa.schema([f for f in sch if f.name in given]))
     return out
+
+
+def prefetched(units: Iterable[Unit], depth: int = 1) -> Iterator[Unit]:
+    """``units``, read ahead by one thread: the reader's Python work (files, JSON, mapping) runs
+    while the previous unit's commit is in Lance, DuckDB and the fsync, which release the GIL.
+    An error of the reader is raised here, at the unit it stopped at."""
+    q: queue.Queue[tuple[str, Any]] = queue.Queue(maxsize=depth)
+    stop = threading.Event()
+
+    def put(item: tuple[str, Any]) -> bool:
+        """Hand ``item`` over; False once the consumer has stopped (it takes nothing more)."""
+        while not stop.is_set():
+            try:
+                q.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def read() -> None:
+        try:
+            for u in units:
+                if not put(("unit", u)):
+                    return
+            put(("end", None))
+        except BaseException as e:  # handed to the consumer, raised there
+            put(("error", e))
+
+    t = threading.Thread(target=read, name="trellisdb-import-reader", daemon=True)
+    t.start()
+    try:
+        while True:
+            kind, value = q.get()
+            if kind == "end":
+                return
+            if kind == "error":
+                raise value
+            yield value
+    finally:
+        stop.set()
+        t.join()
 
 
 def commit_units(db: Database, fmt: str, source: str, units: Iterable[Unit], *,
@@ -106,7 +149,7 @@ def commit_units(db: Database, fmt: str, source: str, units: Iterable[Unit], *,
     show = sys.stderr.isatty() if progress is None else progress
     t0 = time.perf_counter()
     with tqdm(desc=f"import {fmt}", unit=" units", disable=not show, file=sys.stderr, leave=False) as bar:
-        for unit in units:  # a reader raises ImportFormatError naming the file before its unit is written
+        for unit in prefetched(units):  # a reader raises ImportFormatError naming the file before its unit is written
             if unit.name in done:
                 if unit.tag and unit.tag not in tags:  # the commit landed, its tag did not
                     db.tag(unit.tag, done[unit.name])
