@@ -288,3 +288,96 @@ def test_attr_and_has_label_in_tql(db: trellisdb.Database) -> None:
     best = db.query("FRONTIER WHERE has_label('population') RANK BY reward('score') DESC PER attr('island') 1 "
                     "RETURN id, attr('island') AS island").to_pylist()
     assert sorted((r["island"], r["id"]) for r in best) == [(0, "p4"), (1, "p1"), (2, "p2")]
+
+
+def test_attr_of_a_key_with_mixed_values_still_compares_by_the_literal(db: trellisdb.Database) -> None:
+    """One value of another type (an agent's mistake, or a real mix) must not break a key's
+    comparisons: attr('k') compared with a number reads the numbers, with text the texts."""
+    with db.session(task="t", id="s") as s:
+        for i in range(4):
+            s.add_node(id=f"n{i}", attrs={"island": i % 2})
+    db.tag("numbers")
+    with db.session(task="t", id="s") as s:
+        s.set_attrs("n3", {"island": "far away"})
+        s.set_attrs("n2", {"island": [1, 2]})
+
+    def ids(q: str) -> list[str]:
+        return [r["id"] for r in db.query(q).to_pylist()]
+
+    assert ids("NODES WHERE attr('island') = 1 ORDER BY id RETURN id") == ["n1"]
+    assert ids("NODES WHERE attr('island') = 'far away' RETURN id") == ["n3"]
+    assert ids("NODES WHERE attr('island') IN (0, 1) ORDER BY id RETURN id") == ["n0", "n1"]
+    assert ids("NODES WHERE attr('island') BETWEEN 1 AND 5 RETURN id") == ["n1"]
+    assert ids("NODES WHERE attr('island') = 1 ORDER BY id RETURN id AS OF TAG 'numbers'") == ["n1", "n3"]
+    # alone, a mixed key reads as its JSON text
+    got = {r["id"]: r["island"] for r in db.query("NODES ORDER BY id RETURN id, attr('island')").to_pylist()}
+    assert got == {"n0": "0", "n1": "1", "n2": "[1, 2]", "n3": '"far away"'}
+    plan = db.query("EXPLAIN NODES WHERE attr('island') = 1").to_pylist()[0]["explain"]
+    assert "attr('island') = 1" in plan
+
+
+def test_a_group_commit_between_the_lookup_and_the_rewrite_keeps_the_order(
+    db: trellisdb.Database, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The group-commit timer may commit the batch holding a node right after set_status (in a
+    transaction) found its pending row: the rewrite still takes that batch's commit as born."""
+    import threading
+
+    from trellisdb.committer import Committer
+
+    s = db.session(task="t", id="s")
+    first = s.add_node(id="x")
+    second = s.add_node(id="y")
+    orig = Committer.node_rows
+
+    def node_rows(self: Committer, ids: object, owners: object = None) -> object:
+        out = orig(self, ids, owners)  # type: ignore[arg-type]
+        t = threading.Thread(target=self.flush)  # the timer fires here, in its own thread
+        t.start()
+        t.join()
+        return out
+
+    monkeypatch.setattr(Committer, "node_rows", node_rows)
+    with db.transaction():
+        s.set_status(first, "expanded")
+    monkeypatch.setattr(Committer, "node_rows", orig)
+    assert [(r["id"], r["status"]) for r in rows(db, "SELECT id, status FROM nodes ORDER BY seq")] == [
+        (first, "expanded"), (second, "pending")]
+
+
+def test_an_explicit_id_retry_must_repeat_action_state_and_time_and_reasserts_attrs(db: trellisdb.Database) -> None:
+    with db.session(task="t", id="s") as s:
+        s.add_node(id="x", action="ls", state="{}", at=5, attrs={"k": 1}, labels=["pop"])
+    s = db.resume("s")
+    for change in ({"action": "rm -rf /"}, {"state": '{"cwd": "/"}'}, {"at": 6}):
+        with pytest.raises(trellisdb.DuplicateIdError, match="already exists with a different"):
+            s.add_node(id="x", **{"action": "ls", "state": "{}", "at": 5, **change})  # type: ignore[arg-type]
+    s.set_attrs("x", {"k": 2})
+    s.unlabel("x", "pop")
+    db.flush()
+    assert s.add_node(id="x", action="ls", state="{}", at=5, attrs={"k": 1}, labels=["pop"]) == "x"  # a retry
+    db.flush()
+    assert rows(db, "SELECT num FROM attributes WHERE entity = 'x'") == [{"num": 1.0}]  # as the retry asks
+    assert rows(db, "SELECT label FROM labels WHERE node_id = 'x'") == [{"label": "pop"}]
+    assert rows(db, "SELECT count(*) AS n FROM nodes_history WHERE id = 'x'") == [{"n": 1}]
+
+
+def test_read_only_handles_refuse_attributes_and_labels_first(tmp_path: Path) -> None:
+    with trellisdb.connect(tmp_path / "db") as db, db.session(task="t", id="s") as s:
+        s.add_node(id="n")
+    with trellisdb.connect(tmp_path / "db", read_only=True) as ro:
+        for call in (lambda: ro.set_attrs("n", {"k": 1}), lambda: ro.set_attrs("ghost", {"": 1}),
+                     lambda: ro.label("ghost", "x"), lambda: ro.unlabel("n", "x")):
+            with pytest.raises(trellisdb.ReadOnlyError):
+                call()
+
+
+def test_an_interrupted_upgrade_is_finished_by_the_next_open(tmp_path: Path) -> None:
+    path = tmp_path / "v1"
+    shutil.copytree(FIXTURES / "format-v1" / "store", path)
+    (path / "tables" / "attributes.lance" / "data").mkdir(parents=True)  # created half-way, then a crash
+    with trellisdb.connect(path) as db:
+        assert db.verify() == []
+        with db.session(task="t", id="s9") as s:
+            s.add_node(id="w", attrs={"k": "v"})
+        assert rows(db, "SELECT text FROM attributes") == [{"text": "v"}]

@@ -34,7 +34,7 @@ def test_units_arrive_in_order() -> None:
 
 def test_a_reader_error_arrives_after_the_units_before_it() -> None:
     got = []
-    with pytest.raises(ImportFormatError, match="file3.json:3"):
+    with pytest.raises(ImportFormatError, match=r"file3\.json:3"):
         for u in prefetched(_units(10, fail_at=3)):
             got.append(u.name)
     assert got == ["u0", "u1", "u2"]

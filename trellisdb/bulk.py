@@ -18,7 +18,7 @@ from trellisdb.errors import (
     UnknownSessionError,
     ValidationError,
 )
-from trellisdb.names import bad_names
+from trellisdb.names import bad_names, utf8_problem
 from trellisdb.rules import (
     EDGE_KINDS,
     EMBEDDING_DIMENSION,
@@ -51,6 +51,12 @@ def conform(name: str, t: pa.Table, dim: int) -> pa.Table:
     for f in sch:
         if f.name in t.column_names:
             col = t.column(f.name)
+            if f.name == "event_time" and not (pa.types.is_timestamp(col.type) and col.type.tz):
+                raise ValidationError(
+                    f"{name}.event_time is {col.type}; give timezone-aware timestamps, e.g. "
+                    "pa.array(times, pa.timestamp('us', tz='UTC')) (a time without a zone means different instants "
+                    "on different machines; numbers would be read as microseconds, not seconds)"
+                )
             if pa.types.is_fixed_size_list(f.type) and (
                 not pa.types.is_fixed_size_list(col.type) or col.type.list_size != dim
             ):
@@ -287,17 +293,29 @@ def _defaults(name: str, t: pa.Table) -> pa.Table:
 def _attribute_columns(t: pa.Table) -> pa.Table:
     """Attributes arriving as a table: ``value`` must be JSON text (null for a retraction);
     ``num`` and ``text`` are derived from it (given ones are replaced)."""
-    from trellisdb.rules import ATTRIBUTE_SCOPES
+    from trellisdb.rules import ATTR_MAX_BYTES, ATTRIBUTE_SCOPES
 
     bad_scope = _first(t, pc.invert(pc.is_in(t.column("scope"), pa.array(ATTRIBUTE_SCOPES))))
     if bad_scope is not None:
         raise ValidationError(f"attributes.scope {bad_scope['scope']!r} is not one of {', '.join(ATTRIBUTE_SCOPES)}")
+    # JSON null retracts, as set_attrs(None) does; a retraction keeps no value
+    retracted = pc.or_(t.column("retracted").combine_chunks(),
+                       pc.fill_null(pc.equal(t.column("value").combine_chunks(), "null"), False))
+    t = t.set_column(t.schema.get_field_index("retracted"), t.schema.field("retracted"), retracted)
+    t = t.set_column(t.schema.get_field_index("value"), t.schema.field("value"),
+                     pc.if_else(retracted, pa.scalar(None, pa.string()), t.column("value").combine_chunks()))
     unset = _first(t, pc.and_(pc.is_null(t.column("value")), pc.invert(t.column("retracted"))))
     if unset is not None:
         raise ValidationError(
             f"attribute {unset['key']!r} of {unset['entity']!r} has no value; give JSON text, or retracted=true"
         )
     value = t.column("value").combine_chunks()
+    big = _first(t, pc.fill_null(pc.greater(pc.binary_length(value), ATTR_MAX_BYTES), False))
+    if big is not None:
+        raise ValidationError(
+            f"attribute {big['key']!r} of {big['entity']!r} is {len(str(big['value']).encode()):,} bytes as JSON; at "
+            f"most {ATTR_MAX_BYTES:,} are kept per attribute. Store bulky values as an artifact of the node"
+        )
     # the common values in Arrow: numbers in JSON's own grammar, strings with nothing escaped,
     # true / false / null; anything else (escapes, lists, mappings) is decoded row by row
     number = pc.fill_null(pc.match_substring_regex(value, _JSON_NUMBER), False)
@@ -322,6 +340,10 @@ def _attribute_columns(t: pa.Table) -> pa.Table:
             kind = type(x)
             if kind is float and not math.isfinite(x):
                 raise ValidationError(f"attributes.value of row {i} is not a finite number: {str(v)[:80]!r}")
+            if kind is str and utf8_problem(x):
+                raise ValidationError(f"attributes.value of row {i} is not valid UTF-8 text ({utf8_problem(x)})")
+            if kind is int and not -(2**63) <= x < 2**63:
+                x = float(x)  # as its number column holds it (a double)
             num_list[i] = float(x) if kind is int or kind is float else None
             text_list[i] = x if kind is str else None
         nums, texts = pa.array(num_list, pa.float64()), pa.array(text_list, pa.string())

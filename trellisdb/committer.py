@@ -611,12 +611,18 @@ class Committer:
             self._known_nodes.update(found)
             return [i for i in todo if i not in found]
 
-    def node_rows(self, ids: Sequence[str]) -> dict[str, dict[str, Any]]:
-        """The latest row of each node (pending or committed) by id; unknown ids are absent."""
+    def node_rows(self, ids: Sequence[str], owners: dict[str, Batch] | None = None) -> dict[str, dict[str, Any]]:
+        """The latest row of each node (pending or committed) by id; unknown ids are absent.
+        ``owners`` gets the pending batch of each row found pending (read under the lock: a
+        group commit may take the batch away right after)."""
         out: dict[str, dict[str, Any]] = {}
         with self._state_lock:
             for b in self.batches():
-                out.update((i, b.nodes[i]) for i in ids if i in b.nodes and i not in out)
+                for i in ids:
+                    if i in b.nodes and i not in out:
+                        out[i] = b.nodes[i]
+                        if owners is not None:
+                            owners[i] = b
             todo = [i for i in ids if i not in out]
             if len(todo) == 1:
                 rows = self.lookup(

@@ -333,7 +333,10 @@ def event_time(value: object, what: str = "at") -> dt.datetime | None:
             raise ValidationError(
                 f"{what} {value.isoformat()!r} has no timezone; give one (e.g. datetime.timezone.utc, or 'Z')"
             )
-        t = value.astimezone(dt.UTC)
+        try:
+            t = value.astimezone(dt.UTC)
+        except OverflowError:
+            raise ValidationError(f"{what} {value.isoformat()!r} is outside the years 1-9999 in UTC") from None
     elif isinstance(value, numbers.Real) and not isinstance(value, bool):
         f = float(value)
         if not math.isfinite(f):

@@ -207,6 +207,10 @@ class SessionWriter:
                         f"node id {node_id!r} already exists with a different {diff}; "
                         "use a new id, or omit id= to have one generated"
                     )
+                if attr_rows or label_rows:  # the retry's attributes and labels hold after it, as asked
+                    with c.sink(self.id) as b:
+                        b.rows["attributes"].extend(attr_rows)
+                        b.rows["labels"].extend(label_rows)
                 return node_id  # idempotent retry of the same write
         missing = c.missing_nodes(list(parents))
         if missing:
@@ -384,7 +388,8 @@ class SessionWriter:
 #: Node fields a retried ``add_node`` with the same id must repeat exactly.
 #: Not compared: status and created_at (state that later writes change), and
 #: step unless the caller gives it (it is otherwise the session's counter).
-_IDENTITY_FIELDS = ("session_id", "kind", "summary", "source", "tokens_in", "tokens_out", "seconds", "usd")
+_IDENTITY_FIELDS = ("session_id", "kind", "summary", "source", "tokens_in", "tokens_out", "seconds", "usd",
+                    "event_time", "action", "state")
 
 
 def _node_difference(
@@ -538,7 +543,8 @@ def set_status(c: Committer, node_ids: str | Sequence[str], status: str, session
     ids = [node_ids] if isinstance(node_ids, str) else list(dict.fromkeys(node_ids))
     with c.sink() as b:
         b.session_id = session_id or b.session_id
-        found = c.node_rows([i for i in ids if i not in b.nodes])
+        owners: dict[str, Batch] = {}
+        found = c.node_rows([i for i in ids if i not in b.nodes], owners)
         missing = [i for i in ids if i not in b.nodes and i not in found]
         if missing:  # before any row changes: all or nothing
             raise UnknownNodeError(
@@ -552,8 +558,8 @@ def set_status(c: Committer, node_ids: str | Sequence[str], status: str, session
                 row["created_at"] = now
                 b.rows["nodes"].append(row)
                 b.nodes[node_id] = row
-                if row.get("born") is None:  # first written by another pending batch: born when it commits
-                    b.born_in[node_id] = next(o for o in c.batches() if o is not b and node_id in o.added)
+                if row.get("born") is None and node_id in owners:  # first written by another pending batch:
+                    b.born_in[node_id] = owners[node_id]           # born when that batch commits
             row["status"] = status
 
 
@@ -597,6 +603,7 @@ def label_rows_for(node_ids: Sequence[str], labels: Sequence[str], present: bool
 def write_attrs(c: Committer, scope: str, entity: str, attrs: Mapping[str, Any], at: object,
                 session_id: str | None) -> None:
     """Stage attributes of an existing node, session or task (see ``SessionWriter.set_attrs``)."""
+    c.store.writable("set_attrs")
     if scope not in ATTRIBUTE_SCOPES:
         raise ValidationError(f"scope must be one of {', '.join(ATTRIBUTE_SCOPES)}, got {scope!r}")
     check_name(entity, f"{scope} id")
@@ -618,6 +625,7 @@ def write_attrs(c: Committer, scope: str, entity: str, attrs: Mapping[str, Any],
 def write_labels(c: Committer, node_ids: str | Sequence[str], labels: Sequence[str], present: bool, at: object,
                  session_id: str | None) -> None:
     """Stage labels given to or removed from existing nodes (see ``SessionWriter.label``)."""
+    c.store.writable("label" if present else "unlabel")
     ids = [node_ids] if isinstance(node_ids, str) else node_ids
     if not isinstance(ids, Sequence | set | frozenset):
         raise ValidationError(f"label takes a node id or a list of them, got {type(node_ids).__name__}")

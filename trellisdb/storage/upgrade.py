@@ -19,6 +19,7 @@ a column computed from every node's history, the WAL's rows included, which the 
 from __future__ import annotations
 
 import os
+import shutil
 
 import lance
 
@@ -36,8 +37,14 @@ def upgrade_tables(tables: LanceTables, dim: int) -> list[str]:
             ds.add_columns(missing)
             done.append(f"{name}: added {', '.join(f.name for f in missing)}")
     for name in NEW_TABLES:
-        if not os.path.exists(tables.uri(name)):
-            sch = table_schema(name, dim)
-            lance.write_dataset(sch.empty_table(), tables.uri(name), schema=sch, mode="create")
-            done.append(f"{name}: created")
+        uri = tables.uri(name)
+        if os.path.exists(uri):
+            try:
+                lance.dataset(uri)
+                continue
+            except (OSError, ValueError, RuntimeError):  # left half-created by an interrupted upgrade: the
+                shutil.rmtree(uri)                        # marker still says format 1, so it holds no rows
+        sch = table_schema(name, dim)
+        lance.write_dataset(sch.empty_table(), uri, schema=sch, mode="create")
+        done.append(f"{name}: created")
     return done

@@ -31,7 +31,7 @@ from trellisdb.errors import PlanError, QueryError
 from trellisdb.graph import FOUND_SCHEMA
 from trellisdb.tql import ast as A
 from trellisdb.tql import plan as P
-from trellisdb.tql.resolve import ATTR_SCOPES, ENTITY_COLUMNS, LINEAGE_KINDS, MAX_HOPS, RETRIEVE_COLUMNS
+from trellisdb.tql.resolve import ATTR_CALLS, ATTR_SCOPES, ENTITY_COLUMNS, LINEAGE_KINDS, MAX_HOPS, RETRIEVE_COLUMNS
 
 DIALECT = "duckdb"
 
@@ -44,8 +44,10 @@ _BINARY: dict[str, type[exp.Expr]] = {
 _UCB = sqlglot.parse_one("__v + __c * sqrt(ln(greatest(sum(__n) OVER (), 1)) / greatest(__n, 1))", dialect=DIALECT)
 
 
-#: What ``attr('key')`` reads of an ``attributes`` row, by the type of the key's values.
-_ATTR_VALUE = {"number": "num", "text": "text", "bool": "value = 'true'", "json": "value"}
+#: What ``attr('key')`` reads of the key's hidden columns (``{c}``: their prefix), by the type it
+#: is read as: its partner's in a comparison, else the type of the key's values (json: mixed).
+_ATTR_VALUE = {"number": '"{c}_num"', "text": '"{c}_text"', "bool": '("{c}_value" = \'true\')',
+               "json": '"{c}_value"'}
 
 
 @dataclass
@@ -94,8 +96,9 @@ class Compiler:
         self.params: dict[str, Any] = {}
         self.ctes: list[tuple[str, exp.Expr, bool]] = []
         self.rewards: dict[str, str] = {}
-        #: attribute key / label -> the hidden column holding it (set by the Derive)
-        self.attr_cols: dict[str, str] = {}
+        #: attribute key -> (prefix of its hidden columns, type of its values); label -> its
+        #: hidden column (set by the Derive)
+        self.attr_cols: dict[str, tuple[str, str]] = {}
         self.label_cols: dict[str, str] = {}
         self.order: list[exp.Ordered] = []
         self.hidden: list[str] = []
@@ -146,11 +149,17 @@ class Compiler:
                     ch = e.args[0]
                     assert isinstance(ch, A.Literal)
                     return exp.column(self.rewards[str(ch.value)], quoted=True)
-                if e.name in ("attr", "has_label"):
+                if e.name in ATTR_CALLS:
                     key = e.args[0]
                     assert isinstance(key, A.Literal)
-                    cols = self.attr_cols if e.name == "attr" else self.label_cols
-                    return exp.column(cols[str(key.value)], quoted=True)
+                    base, typ = self.attr_cols[str(key.value)]
+                    view = e.name.removeprefix("attr_") if e.name != "attr" else typ
+                    read: exp.Expr = _template(_ATTR_VALUE[view].format(c=base), "column")
+                    return read
+                if e.name == "has_label":
+                    key = e.args[0]
+                    assert isinstance(key, A.Literal)
+                    return exp.column(self.label_cols[str(key.value)], quoted=True)
                 if e.name == "ucb":
                     v, n, c = (x(a) for a in e.args)
                     subs = {"__v": _paren(v), "__n": _paren(n), "__c": _paren(c)}
@@ -378,16 +387,15 @@ class Compiler:
         scope = ATTR_SCOPES.get(entity)
         for i, (key, typ) in enumerate(p.attrs):
             alias, name = f"at{i}", f"__attr{i}"
-            value = _ATTR_VALUE[typ]
-            sub = exp.select("entity", exp.alias_(_template(value, "column"), "v"), copy=False).from_(
-                "attributes", copy=False).where(exp.and_(
-                    exp.EQ(this=exp.column("scope"), expression=exp.Literal.string(scope or "")),
-                    exp.EQ(this=exp.column("key"), expression=self.value(key))), copy=False)
+            sub = exp.select("entity", "num", "text", "value", copy=False).from_("attributes", copy=False).where(
+                exp.and_(exp.EQ(this=exp.column("scope"), expression=exp.Literal.string(scope or "")),
+                         exp.EQ(this=exp.column("key"), expression=self.value(key))), copy=False)
             sel = sel.join(exp.alias_(exp.paren(sub), alias), on=f"{alias}.entity = b.id", join_type="left",
                            copy=False)
-            sel = sel.select(exp.alias_(exp.column("v", table=alias), name, quoted=True), copy=False)
-            self.attr_cols[key] = name
-            self.hidden.append(name)
+            for col in ("num", "text", "value"):
+                sel = sel.select(exp.alias_(exp.column(col, table=alias), f"{name}_{col}", quoted=True), copy=False)
+                self.hidden.append(f"{name}_{col}")
+            self.attr_cols[key] = (name, typ)
         for i, label in enumerate(p.labels):
             name = f"__label{i}"
             sub = exp.select("node_id").from_("labels", copy=False).where(
@@ -519,7 +527,8 @@ def _abstract(obj: Any, values: list[Any], nodes: list[int] | None = None) -> An
             values.append(obj.value)
             return A.Literal(Slot(len(values) - 1), obj.span)  # type: ignore[arg-type]
         return obj
-    if isinstance(obj, A.Span | A.Column) or (isinstance(obj, A.Call) and obj.name in ("reward", "attr", "has_label")):
+    if isinstance(obj, A.Span | A.Column) or (isinstance(obj, A.Call) and obj.name in ("reward", *ATTR_CALLS,
+                                                                                      "has_label")):
         return obj  # nothing inside to abstract
     if isinstance(obj, tuple):
         return tuple(_abstract(x, values, nodes) for x in obj)

@@ -57,6 +57,11 @@ SQL_FUNCTIONS: dict[str, tuple[int, int]] = {
 #: Functions TQL defines: name -> (min args, max args).
 TQL_FUNCTIONS: dict[str, tuple[int, int]] = {"reward": (1, 1), "ucb": (3, 3), "attr": (1, 1), "has_label": (1, 1)}
 
+#: The comparison operators (``attr('k')`` is read as the type of what it is compared with).
+_COMPARISONS = frozenset({"=", "!=", "<>", "<", "<=", ">", ">="})
+#: ``attr('k')`` as written, and as read in a comparison with a number, a text, a boolean.
+ATTR_CALLS = ("attr", "attr_number", "attr_text", "attr_bool")
+
 #: The attribute scope (``attributes.scope``) of each entity a query ranges over.
 ATTR_SCOPES = {"nodes": "node", "sessions": "session", "tasks": "task"}
 
@@ -266,7 +271,10 @@ class Resolver:
             case A.Neg():
                 return A.Neg(r(e.operand, ranking=ranking), e.span)
             case A.Binary():
-                return A.Binary(e.op, r(e.left, ranking=ranking), r(e.right, ranking=ranking), e.span)
+                left, right = r(e.left, ranking=ranking), r(e.right, ranking=ranking)
+                if e.op in _COMPARISONS:  # attr('k') = 3 reads the number, attr('k') = 'x' the text
+                    left, right = self.attr_view(left, right), self.attr_view(right, left)
+                return A.Binary(e.op, left, right, e.span)
             case A.BoolOp():
                 return A.BoolOp(e.op, tuple(r(o, ranking=ranking) for o in e.operands), e.span)
             case A.Not():
@@ -274,11 +282,14 @@ class Resolver:
             case A.IsNull():
                 return A.IsNull(r(e.operand, ranking=ranking), e.negated, e.span)
             case A.InList():
-                return A.InList(r(e.operand, ranking=ranking), tuple(r(i, ranking=ranking) for i in e.items),
-                                e.negated, e.span)
+                items = tuple(r(i, ranking=ranking) for i in e.items)
+                operand = r(e.operand, ranking=ranking)
+                if items:
+                    operand = self.attr_view(operand, items[0])
+                return A.InList(operand, items, e.negated, e.span)
             case A.Between():
-                return A.Between(r(e.operand, ranking=ranking), r(e.low, ranking=ranking), r(e.high, ranking=ranking),
-                                 e.span)
+                low, high = r(e.low, ranking=ranking), r(e.high, ranking=ranking)
+                return A.Between(self.attr_view(r(e.operand, ranking=ranking), low), low, high, e.span)
             case _:
                 assert_never(e)
 
@@ -299,6 +310,17 @@ class Resolver:
         types = self.types
         kind = "bool" if typeof(arg, types) == "bool" else "int" if _integral(arg, INTEGER_COLUMNS[self.entity]) else ""
         return A.AggCall(e.func, arg, e.distinct, e.span, kind)
+
+    def attr_view(self, e: A.Expr, partner: A.Expr) -> A.Expr:
+        """``attr('k')`` compared with ``partner``: read as the partner's type (``attr_number``,
+        ``attr_text``, ``attr_bool``), whatever other types the key's values have had, so one
+        value of another type never breaks the comparisons of a key; other uses keep ``attr``."""
+        if not (isinstance(e, A.Call) and e.name == "attr"):
+            return e
+        want = typeof(partner, self.types)
+        if want in ("number", "text", "bool"):
+            return A.Call(f"attr_{want}", e.args, e.span)
+        return e
 
     def types(self, name: str) -> str | None:
         """The type of a column of the statement's rows, or of an ``attr('key')`` it reads."""
@@ -628,7 +650,7 @@ def _default_name(e: A.Expr) -> str:
         case A.Column():
             return e.name
         case A.Call():
-            if e.name in ("reward", "attr", "has_label") and isinstance(e.args[0], A.Literal):
+            if e.name in ("reward", *ATTR_CALLS, "has_label") and isinstance(e.args[0], A.Literal):
                 return str(e.args[0].value)
             return e.name
         case A.AggCall():

@@ -28,7 +28,8 @@ def show(e: A.Expr) -> str:
         case A.Column():
             return e.name
         case A.Call():
-            return f"{e.name}({', '.join(show(a) for a in e.args)})"
+            name = "attr" if e.name.startswith("attr_") else e.name  # attr's typed readings look as written
+            return f"{name}({', '.join(show(a) for a in e.args)})"
         case A.AggCall():
             return f"{e.func}({'DISTINCT ' if e.distinct else ''}{'*' if e.arg is None else show(e.arg)})"
         case A.Neg():

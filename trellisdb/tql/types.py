@@ -38,6 +38,7 @@ _RESULT = {
     "exp": "number", "power": "number", "round": "number", "floor": "number", "ceil": "number",
     "length": "number", "lower": "text", "upper": "text", "contains": "bool", "starts_with": "bool",
     "least": "arg", "greatest": "arg", "coalesce": "arg", "has_label": "bool",
+    "attr_number": "number", "attr_text": "text", "attr_bool": "bool",
 }
 #: What the arguments must be (None: any; "same": all alike).
 _ARGS = {

@@ -40,13 +40,13 @@ PROMPT_ROLES: Final = (("system", "$__sys"), ("prompt", "$__prompt"))
 #: sft with ``messages=``: a node's chat turns, one artifact (JSON)
 MESSAGE_ROLES: Final = (("message", "$__msgs"),)
 
-#: Per group: mean, population std, size and success rate, summed in id order over a sorted
+#: Per group: mean, population std, size and success rate, summed in insertion order over a sorted
 #: list, so a group's figures are the same to the last bit whichever query computes them
 #: (a parallel avg() adds in arrival order: a refresh would differ from a rebuild in the last bit).
 GROUP_STATS = (
     "SELECT grp, list_avg(rs) AS m, list_aggregate(rs, 'stddev_pop') AS sd, len(rs) AS n, "
     "list_avg(list_transform(rs, lambda x: CASE WHEN x >= coalesce($__threshold, 0) THEN 1.0 ELSE 0.0 END)) "
-    "AS success FROM (SELECT grp, list(__reward ORDER BY id) AS rs FROM g GROUP BY grp)"
+    "AS success FROM (SELECT grp, list(__reward ORDER BY __seq, id) AS rs FROM g GROUP BY grp)"
 )
 
 
