@@ -381,3 +381,13 @@ def test_an_interrupted_upgrade_is_finished_by_the_next_open(tmp_path: Path) -> 
         with db.session(task="t", id="s9") as s:
             s.add_node(id="w", attrs={"k": "v"})
         assert rows(db, "SELECT text FROM attributes") == [{"text": "v"}]
+
+
+def test_an_ingest_commits_pending_writes_first_and_never_reuses_their_ids(db: trellisdb.Database) -> None:
+    s = db.session(task="t", id="s")
+    s.add_node(id="pending")  # in the group batch, not committed yet
+    with pytest.raises(trellisdb.DuplicateIdError, match="'pending' already exists"):
+        db.ingest({"nodes": pa.table({"id": ["pending"], "session_id": ["s"], "task_id": ["t"]})})
+    db.ingest({"nodes": pa.table({"id": ["child"], "session_id": ["s"], "task_id": ["t"]}),
+               "edges": pa.table({"src": ["pending"], "dst": ["child"], "kind": ["derived_from"]})})
+    assert rows(db, "SELECT id FROM nodes ORDER BY seq") == [{"id": "pending"}, {"id": "child"}]

@@ -281,13 +281,16 @@ class Database:
         """Bulk-write whole Arrow tables (any subset of the data tables) as one commit.
 
         Columns are matched by name; missing nullable columns are filled with
-        nulls. Parents of edges must exist in the batch or the database.
+        nulls. Parents of edges must exist in the batch or the database. Writes
+        still pending in the group commit are committed first (as a transaction
+        does), so the ingest can refer to them and never reuses their ids.
         """
         self._store.writable("ingest")
         check_text(message, "commit message")
         from trellisdb.bulk import prepare_bulk
 
         checked = commit_meta(meta)
+        self._committer.flush()
         prepared = prepare_bulk(self._reads.at(), self.embedding_dim, tables, known=self._committer.known)
         return self._committer.commit(Batch(), message, extra=prepared, meta=checked)
 
