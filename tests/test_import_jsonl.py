@@ -132,8 +132,9 @@ def test_import_again_adds_nothing(full: tuple[trellisdb.Database, Path, Any]) -
     # the file grows after its last unit: only the new lines are imported
     with f.open("a") as fh:
         fh.write(lines({"type": "node", "id": "n5", "parents": ["n4"]}))
-    # the same file through its folder is another source: its ids clash (an error), nothing is duplicated
-    with pytest.raises(TrellisError, match=r"run\.jsonl:2-6: node id 'n1' already exists"):
+    # the same file through its folder is another source: its tag (checked before anything is
+    # written) and ids clash (an error), nothing is duplicated
+    with pytest.raises(TrellisError, match=r"run\.jsonl:2-6: tag 'c1' names commit 1 already .*nothing of"):
         import_run(db, "jsonl", f.parent, progress=False)
     assert len(db.log()) == before
     with pytest.raises(TrellisError, match=r"run\.jsonl:20-21: .*n4"):
@@ -341,3 +342,111 @@ def test_the_docs_examples_validate_and_import(tmp_path: Path) -> None:
         ("n2", "archive"), ("n2", "final")]
     assert q(db, "SELECT count(*) AS n FROM labels", as_of="run-1-steps") == [{"n": 1}]
     assert q(db, "SELECT status FROM sessions") == [{"status": "completed"}]
+
+
+def test_null_is_an_absent_optional_field(tmp_path: Path) -> None:
+    nulls = [
+        {"type": "session", "id": "s", "task": "t", "agent": None, "model": None, "config": None, "status": None,
+         "task_spec": None, "at": None, "attrs": None},
+        {"type": "node", "id": "n1", "session": None, "parents": None, "edge_kind": None, "kind": None, "step": None,
+         "status": None, "summary": None, "cost": {"tokens_in": None, "usd": None}, "source": None, "action": None,
+         "state": None, "embedding": None, "attrs": None, "labels": None, "at": None,
+         "artifacts": {"a": {"text": "x", "base64": None, "media_type": None}}, "rewards": None},
+        {"type": "node", "id": "n2", "parents": ["n1"], "edge_kind": None},
+        {"type": "edge", "src": "n1", "dst": "n2", "kind": None, "session": None, "at": None},
+        {"type": "reward", "node": "n1", "channel": "c", "value": 1, "verifier": None, "verifier_version": None,
+         "at": None},
+        {"type": "artifact", "node": "n1", "name": "b", "text": None, "base64": "YQ==", "media_type": None},
+        {"type": "attr", "entity": "n1", "attrs": {"k": 1}, "scope": None, "session": None, "at": None},
+        {"type": "label", "nodes": "n1", "labels": ["l"], "session": None, "at": None},
+        {"type": "comparison", "a": "n1", "b": "n2", "preferred": None, "margin": None, "judge": None, "id": None,
+         "at": None},
+        {"type": "commit", "message": None, "meta": None, "tag": None},
+    ]
+    schema = jsonl.schema()
+    for rec in nulls:
+        validate(rec, schema, schema)  # the schema allows null for every optional field
+    f = tmp_path / "nulls.jsonl"
+    f.write_text(lines(*nulls))
+    db = trellisdb.connect(tmp_path / "db")
+    assert import_run(db, "jsonl", f, progress=False).nodes == 2
+    assert q(db, "SELECT id, kind, status, step, tokens_in FROM nodes ORDER BY id") == [
+        {"id": "n1", "kind": "attempt", "status": "pending", "step": 1, "tokens_in": None},
+        {"id": "n2", "kind": "attempt", "status": "pending", "step": 2, "tokens_in": None}]
+    assert q(db, "SELECT src, dst, kind FROM edges") == [{"src": "n1", "dst": "n2", "kind": "derived_from"}]
+    assert q(db, "SELECT scope, key FROM attributes") == [{"scope": "node", "key": "k"}]
+    assert sorted(r["name"] for r in q(db, "SELECT name FROM node_artifacts")) == ["a", "b"]
+    # the byte limit of a name, which JSON Schema cannot state, is in the schema's description
+    assert "512 bytes" in schema["$defs"]["name"]["description"] and "characters" in schema["$defs"]["name"]["description"]
+    long = "é" * 300  # 300 characters: the schema's maxLength passes it; 600 bytes: the reader refuses it
+    validate({"type": "node", "id": long}, schema, schema)
+    f.write_text(lines({"type": "session", "id": "s", "task": "t"}, {"type": "node", "id": long}))
+    with pytest.raises(ImportFormatError, match=r"nulls\.jsonl:2: node\.id is 600 bytes long"):
+        import_run(trellisdb.connect(tmp_path / "db2"), "jsonl", f, progress=False)
+
+
+MESSY = [
+    ('{"type": "reward", "node": "n1", "channel": "c", "value": 1' + "0" * 5000 + "}",
+     r"JSON this reader cannot take \(Exceeds the limit"),
+    ('{"type": "reward", "node": "n1", "channel": "c", "value": ' + "[" * 100_000 + "]" * 100_000 + "}",
+     r"JSON this reader cannot take \(nested too deep\)"),
+    ('{"type": "reward", "node": "n1", "channel": "c", "value": 1' + "0" * 400 + "}",
+     r"reward\.value is 1000.*write a finite number"),
+    ('{"type": "node", "id": "n1", "cost": {"usd": 1' + "0" * 400 + "}}", r"node\.cost\.usd is 1000.*>= 0"),
+    ('{"type": "node", "id": "n1", "at": 1' + "0" * 400 + "}", r"node\.at is 1000.*outside the years 1-9999"),
+    ('{"type": "node", "id": "n1", "attrs": {"k": 1' + "0" * 400 + "}}", r"node\.attrs\.k is a number beyond"),
+    ('{"type": "node", "id": "n1", "step": 9223372036854775808}', r"node\.step is 9223372036854775808"),
+    ('{"type": "node", "id": "n1", "summary": "bin \\udc00"}', r"node\.summary is not valid UTF-8 text"),
+    ('{"type": "node", "id": "n1", "artifacts": {"out": "\\udc00"}}', r"node\.artifacts\.out is not valid UTF-8"),
+    ('{"type": "node", "id": "n1", "state": {"k": "\\udc00"}}', r"node\.state is not valid UTF-8"),
+    ('{"type": "attr", "entity": "n1", "attrs": {"\\udc00": 1}}', r"attr\.attrs: attribute key '\\udc00'"),
+]
+
+
+@pytest.mark.parametrize(("line", "pattern"), MESSY, ids=[f"messy{i}" for i in range(len(MESSY))])
+def test_messy_values_are_refused_naming_file_and_line(tmp_path: Path, line: str, pattern: str) -> None:
+    f = tmp_path / "bad.jsonl"
+    f.write_text(SESSION + "\n" + lines({"type": "commit"}) + line + "\n")
+    db = trellisdb.connect(tmp_path / "db")
+    with pytest.raises(ImportFormatError, match=rf"^{re.escape(str(f))}:3: (.*?){pattern}"):
+        import_run(db, "jsonl", f, progress=False)
+    assert len(db.log()) == 1  # the unit before it
+
+
+def test_values_only_the_store_can_check_are_refused_naming_the_unit(tmp_path: Path) -> None:
+    db = trellisdb.connect(tmp_path / "db", embedding_dim=4)
+    f = tmp_path / "run.jsonl"
+    f.write_text(lines({"type": "session", "id": "s", "task": "t"}, {"type": "commit"},
+                       {"type": "node", "id": "n1", "embedding": [1, 2]}))
+    with pytest.raises(ImportFormatError, match=r"run\.jsonl:3-3: node 'n1' has an embedding of 2 numbers; this "
+                                                r"store's embeddings have 4 \(nothing of 'run\.jsonl:3-3' was written"):
+        import_run(db, "jsonl", f, progress=False)
+    # the largest step there is, then a node without one: its default step would overflow
+    f.write_text(lines({"type": "session", "id": "s", "task": "t"}, {"type": "commit"},
+                       {"type": "node", "id": "n1", "step": 2**63 - 1}, {"type": "node", "id": "n2"}))
+    with pytest.raises(ImportFormatError, match=r"run\.jsonl:4: node\.step is not given and the session's last "
+                                                r"step is 9223372036854775807"):
+        import_run(db, "jsonl", f, progress=False)
+    assert len(db.log()) == 1
+
+
+def test_a_byte_order_mark_may_start_the_file(tmp_path: Path) -> None:
+    f = tmp_path / "bom.jsonl"
+    f.write_bytes(b"\xef\xbb\xbf" + jsonl.EXAMPLE.encode())
+    db = trellisdb.connect(tmp_path / "db")
+    assert import_run(db, "jsonl", f, progress=False).nodes == 2
+    f.write_bytes(SESSION.encode() + b"\n\xef\xbb\xbf" + b'{"type": "node", "id": "n"}\n')  # only on line 1
+    with pytest.raises(ImportFormatError, match=r"bom\.jsonl:2: not valid JSON"):
+        import_run(trellisdb.connect(tmp_path / "db2"), "jsonl", f, progress=False)
+
+
+def test_a_file_linking_outside_the_folder_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "runs").mkdir()
+    (tmp_path / "secret.jsonl").write_text(SESSION + "\n")
+    (tmp_path / "runs" / "a.jsonl").write_text(SESSION + "\n")
+    (tmp_path / "runs" / "b.jsonl").symlink_to(tmp_path / "secret.jsonl")
+    db = trellisdb.connect(tmp_path / "db")
+    with pytest.raises(ImportFormatError, match=r"b\.jsonl: a symbolic link to .*secret\.jsonl, outside the folder"):
+        import_run(db, "jsonl", tmp_path / "runs", progress=False)
+    assert len(db.log()) == 0
+    assert import_run(db, "jsonl", tmp_path / "runs" / "b.jsonl", progress=False).imported == ["b.jsonl:1-1"]

@@ -558,3 +558,97 @@ def test_meta_of_a_pathological_checkpoint_stays_under_the_limit() -> None:
     assert fitted["omitted"] == ["feature_stats"] and fitted["dangling_count"] == 5000
     assert fitted["dangling"] == meta["dangling"][: len(fitted["dangling"])] and fitted["dangling"]
     assert commit_meta(fitted) == fitted
+
+
+def test_a_parent_imported_later_retracts_parent_id_missing(messy: Path, tmp_path: Path) -> None:
+    """Importing checkpoints 10-20 and then 30 leaves the state importing all three at once does."""
+    with trellisdb.connect(tmp_path / "whole") as whole:
+        import_messy(whole, messy)
+        want = whole.sql("SELECT entity, key, value FROM attributes ORDER BY entity, key").to_pylist()
+        want_edges = whole.sql("SELECT src, dst FROM edges ORDER BY src, dst").to_pylist()
+    later = tmp_path / "later"
+    later.mkdir()
+    for k in (30, 40):
+        shutil.move(messy / "checkpoints" / f"checkpoint_{k}", later / f"checkpoint_{k}")
+    with trellisdb.connect(tmp_path / "parts") as db:
+        assert import_messy(db, messy)[0].imported == ["checkpoint_10", "checkpoint_20"]
+        assert attrs(db, "c")["parent_id_missing"] == "d"  # d is nowhere yet
+        for k in (30, 40):
+            shutil.move(later / f"checkpoint_{k}", messy / "checkpoints" / f"checkpoint_{k}")
+        assert import_messy(db, messy)[0].imported == ["checkpoint_30"]
+        assert "parent_id_missing" not in attrs(db, "c")
+        assert attrs(db, "c", as_of="checkpoint_20")["parent_id_missing"] == "d"  # history keeps what was known
+        assert db.sql("SELECT entity, key, value FROM attributes ORDER BY entity, key").to_pylist() == want
+        assert db.sql("SELECT src, dst FROM edges ORDER BY src, dst").to_pylist() == want_edges
+
+
+def test_the_incomplete_checkpoint_warning_points_at_the_caller(messy: Path, tmp_path: Path) -> None:
+    with trellisdb.connect(tmp_path / "db") as db:
+        _, warned = import_messy(db, messy)
+    assert len(warned) == 1 and warned[0].filename == __file__
+    assert str(messy / "checkpoints" / "checkpoint_40") in str(warned[0].message)
+
+
+def _edit_program(messy: Path, pid: str, text: str) -> Path:
+    f = messy / "checkpoints" / "checkpoint_10" / "programs" / f"{pid}.json"
+    f.write_text(text)
+    return f
+
+
+MESSY_PROGRAMS = [
+    ("big_int", lambda p: json.dumps(p).replace('"generation": 3', '"generation": 1' + "0" * 5000),
+     r"a\.json: JSON this reader cannot take \(Exceeds the limit"),
+    ("deep", lambda p: json.dumps(p).replace('"generation": 3', '"generation": ' + "[" * 100_000 + "]" * 100_000),
+     r"a\.json: JSON this reader cannot take \(values nested too deeply\)"),
+    ("iteration", lambda p: json.dumps({**p, "iteration_found": 10**30}),
+     r"a\.json: iteration_found is 1000000000000000000000000000000, not an iteration number"),
+    ("timestamp", lambda p: json.dumps({**p, "timestamp": 10**400}),
+     r"a\.json: timestamp is 1000.*, not seconds since the epoch"),
+    ("responses", lambda p: json.dumps({**p, "prompts": {"diff_user": {"responses": 5}}}),
+     r"a\.json: prompts\.diff_user\.responses is a int, not a list of texts"),
+    ("changes", lambda p: json.dumps({**p, "metadata": {"changes": "bin \udc00"}}),
+     r"a\.json: metadata\.changes is not valid UTF-8 text \(a lone surrogate"),
+    ("key", lambda p: json.dumps({**p, "metadata": {"\udc00": 1}}), r"a\.json: metadata\[.*\] is not valid UTF-8"),
+    ("repr", lambda p: json.dumps({**p, "metadata": "{'changes': '\\udc00'}"}),
+     r"a\.json: metadata\.changes is not valid UTF-8"),
+]
+
+
+@pytest.mark.parametrize(("case", "edit", "pattern"), MESSY_PROGRAMS, ids=[m[0] for m in MESSY_PROGRAMS])
+def test_messy_program_values_are_refused_naming_the_file(messy: Path, tmp_path: Path, case: str, edit: Any,
+                                                          pattern: str) -> None:
+    p = json.loads((messy / "checkpoints" / "checkpoint_10" / "programs" / "a.json").read_text())
+    _edit_program(messy, "a", edit(p))
+    with trellisdb.connect(tmp_path / "db") as db:
+        with pytest.raises(ImportFormatError, match=pattern):
+            import_messy(db, messy)
+        assert db.log() == []
+
+
+def test_numbers_beyond_a_double_and_odd_shapes(messy: Path, tmp_path: Path) -> None:
+    p = json.loads((messy / "checkpoints" / "checkpoint_10" / "programs" / "a.json").read_text())
+    p["metrics"]["huge"] = 10**400
+    p["prompts"]["diff_user"]["responses"] = "one response, not in a list"
+    _edit_program(messy, "a", json.dumps(p))
+    with trellisdb.connect(tmp_path / "db") as db:
+        import_messy(db, messy)
+        assert attrs(db, "a", as_of="checkpoint_10")["metric.huge"] == str(10**400)  # kept as text: no double holds it
+        names = {r["name"] for r in db.sql("SELECT name FROM node_artifacts WHERE node_id = 'a'", as_of="checkpoint_10").to_pylist()}
+        assert "response/diff_user/0" in names and "response/diff_user/1" not in names
+    meta = messy / "checkpoints" / "checkpoint_20" / "metadata.json"
+    meta.write_text(json.dumps({**json.loads(meta.read_text()), "island_feature_maps": 5}))
+    with trellisdb.connect(tmp_path / "db2") as db:
+        with pytest.raises(ImportFormatError, match=r"checkpoint_20/metadata\.json: island_feature_maps is a int, "
+                                                    r"not a list"):
+            import_messy(db, messy)
+        assert list(db.tags()) == ["checkpoint_10"]
+
+
+def test_a_file_linking_outside_the_run_is_refused(messy: Path, tmp_path: Path) -> None:
+    secret = tmp_path / "secret.json"
+    secret.write_text(json.dumps(prog("x", None, 1, 1.0)))
+    (messy / "checkpoints" / "checkpoint_20" / "programs" / "x.json").symlink_to(secret)
+    with trellisdb.connect(tmp_path / "db") as db:
+        with pytest.raises(ImportFormatError, match=r"x\.json: a symbolic link to .*secret\.json, outside the folder"):
+            import_messy(db, messy)
+        assert db.log() == []

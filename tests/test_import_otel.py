@@ -288,3 +288,71 @@ def test_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     bad.write_text((FIXTURES / "truncated.jsonl").read_text())
     assert main(["--db", str(p), "import", "otel", str(bad), "--no-progress"]) == 1
     assert "bad.jsonl:2:" in capsys.readouterr().err
+
+
+def _attr(key: str, value: dict[str, Any]) -> dict[str, Any]:
+    return {"key": key, "value": value}
+
+
+MESSY = [
+    ("big_int", lambda: json.dumps(_request([_span("00000000000000a1")])).replace('"s1"', '"s1", "x": 1' + "0" * 5000),
+     r"t\.json: is JSON this reader cannot take \(Exceeds the limit"),
+    ("deep", lambda: json.dumps(_request([_span("00000000000000a1")])).replace('"s1"', '"s1", "x": ' + "[" * 100_000
+                                                                             + "]" * 100_000),
+     r"t\.json: is JSON this reader cannot take \(values nested too deeply\)"),
+    ("name", lambda: json.dumps(_request([_span("00000000000000a1", name="bin \udc00")])),
+     r"t\.json: resourceSpans\[0\]\.scopeSpans\[0\]\.spans\[0\]\.name: is not valid UTF-8 text \(a lone surrogate"),
+    ("attr", lambda: json.dumps(_request([_span("00000000000000a1", attributes=[
+        _attr("gen_ai.tool.call.result", {"stringValue": "\udc00"})])])),
+     r"t\.json: resourceSpans.*attributes\[0\]\.value\.stringValue: is not valid UTF-8"),
+    ("double", lambda: json.dumps(_request([_span("00000000000000a1", attributes=[
+        _attr("x", {"doubleValue": 10**400})])])), r"attributes\[0\]\.value\.doubleValue: 1000.*out of the range"),
+    ("int", lambda: json.dumps(_request([_span("00000000000000a1", attributes=[
+        _attr("x", {"intValue": str(10**30)})])])), r"attributes\[0\]\.value\.intValue: 1000.*64-bit integer"),
+    ("time", lambda: json.dumps(_request([_span("00000000000000a1", startTimeUnixNano=str(2**64))])),
+     r"startTimeUnixNano: 18446744073709551616 is out of the range of a 64-bit integer"),
+    ("tokens_digit", lambda: json.dumps(_request([_span("00000000000000a1", attributes=[
+        _attr("gen_ai.usage.input_tokens", {"stringValue": "\u00b2"})])])),
+     r"gen_ai\.usage\.input_tokens must be a whole number >= 0"),
+    ("tokens_big", lambda: json.dumps(_request([_span("00000000000000a1", attributes=[
+        _attr("gen_ai.usage.input_tokens", {"doubleValue": 1e30})])])),
+     r"gen_ai\.usage\.input_tokens must be a whole number >= 0 \(below 2\*\*63\)"),
+]
+
+
+@pytest.mark.parametrize(("case", "text", "pattern"), MESSY, ids=[m[0] for m in MESSY])
+def test_messy_values_are_refused_naming_file_and_field(db: trellisdb.Database, tmp_path: Path, case: str,
+                                                        text: Any, pattern: str) -> None:
+    f = tmp_path / "t.json"
+    f.write_text(text())
+    with pytest.raises(ImportFormatError, match=pattern):
+        import_run(db, "otel", f, progress=False)
+    assert db.sql("SELECT count(*) AS n FROM nodes").to_pylist()[0]["n"] == 0
+
+
+def test_odd_shapes_of_content_are_kept(db: trellisdb.Database, tmp_path: Path) -> None:
+    choice = {"name": "gen_ai.choice", "timeUnixNano": "1700000000500000000", "attributes": [
+        _attr("index", {"intValue": "0"}), _attr("finish_reason", {"stringValue": "stop"}),
+        _attr("message", {"kvlistValue": {"values": [_attr("content", {"stringValue": "hi"}),
+                                                     _attr("tool_calls", {"intValue": "5"})]}})]}
+    escaped = json.dumps([{"role": "user", "parts": [{"type": "text", "content": "x\udc00"}]}])  # JSON text of JSON
+    span = _span("00000000000000a1", events=[choice], attributes=[
+        _attr("gen_ai.operation.name", {"stringValue": "chat"}),
+        _attr("gen_ai.input.messages", {"stringValue": escaped})])
+    f = tmp_path / "t.json"
+    f.write_text(json.dumps(_request([span])))
+    assert import_run(db, "otel", f, progress=False).nodes == 1
+    arts = _artifacts(db, "otel:00000000000000a1")
+    assert json.loads(arts["output_messages"][1]) == [
+        {"role": "assistant", "parts": [{"type": "text", "content": "hi"}], "finish_reason": "stop"}]
+    assert arts["input_messages"][1] == escaped.encode()  # JSON text whose strings UTF-8 cannot hold: kept as text
+
+
+def test_a_file_linking_outside_the_folder_is_refused(db: trellisdb.Database, tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    run.mkdir()
+    shutil.copy(AGENT, run / "a.json")
+    (run / "b.json").symlink_to(COLLECTOR)
+    with pytest.raises(ImportFormatError, match=r"b\.json: a symbolic link to .*collector\.jsonl, outside the folder"):
+        import_run(db, "otel", run, progress=False)
+    assert db.sql("SELECT count(*) AS n FROM nodes").to_pylist()[0]["n"] == 0

@@ -32,6 +32,15 @@ def rel(f: Path) -> str:
     return f.relative_to(DATA).as_posix()
 
 
+def unit(f: Path) -> str:
+    """The unit (and session) name of a trajectory: its stem and the start of its bytes' sha256."""
+    return f"{f.stem}@{hashlib.sha256(f.read_bytes()).hexdigest()[:16]}"
+
+
+def sid_of(f: Path) -> str:
+    return f"swe-agent:{unit(f)}"
+
+
 def load(f: Path) -> dict[str, Any]:
     doc: dict[str, Any] = json.loads(f.read_text())
     return doc
@@ -60,18 +69,18 @@ def session_attrs(db: trellisdb.Database, session: str) -> dict[str, Any]:
 def test_one_commit_per_file(imported: tuple[trellisdb.Database, Any]) -> None:
     db, report = imported
     assert len(FILES) == 20
-    assert report.imported == [rel(f) for f in FILES] and len(report.commits) == 20
+    assert report.imported == [unit(f) for f in FILES] and len(report.commits) == 20
     assert report.nodes == sum(len(load(f).get("trajectory", [])) for f in FILES)
     units = db.sql("SELECT json_extract_string(meta, '$.import.unit') AS u FROM commits "
                    "WHERE json_extract_string(meta, '$.import.format') = 'swe-agent' ORDER BY id").to_pylist()
-    assert [u["u"] for u in units] == [rel(f) for f in FILES]
+    assert [u["u"] for u in units] == [unit(f) for f in FILES]
 
 
 @pytest.mark.parametrize("f", FILES, ids=rel)
 def test_every_file_round_trips(imported: tuple[trellisdb.Database, Any], f: Path) -> None:
     db, _ = imported
     doc = load(f)
-    sid = f"swe-agent:{rel(f)}"
+    sid = sid_of(f)
     steps = doc.get("trajectory", [])
     info = doc.get("info", {})
     rc = doc.get("replay_config")
@@ -125,7 +134,7 @@ def test_the_empty_trajectory_is_an_empty_session(imported: tuple[trellisdb.Data
     db, _ = imported
     f = DATA / "demonstrations" / "function_calling_simple.traj"
     doc = load(f)
-    sid = f"swe-agent:{rel(f)}"
+    sid = sid_of(f)
     assert doc.get("trajectory", []) == [] and doc["history"]
     assert db.sql("SELECT count(*) AS n FROM sessions WHERE id = $s", params={"s": sid}).to_pylist() == [{"n": 1}]
     assert db.sql("SELECT count(*) AS n FROM nodes WHERE session_id = $s", params={"s": sid}).to_pylist() == [{"n": 0}]
@@ -152,18 +161,31 @@ def test_sft_export_reproduces_the_history(imported: tuple[trellisdb.Database, A
     for f in FILES:
         doc = load(f)
         steps, history = doc.get("trajectory", []), doc.get("history", [])
-        sid = f"swe-agent:{rel(f)}"
+        sid = sid_of(f)
         if not history or not steps:
             assert not any(k.startswith(sid + "#") for k in by_leaf)
             continue
         want = chat(history)
         # the last step's row is the whole conversation, message for message
         assert by_leaf[f"{sid}#{len(steps)}"] == want, rel(f)
-        # every step's row is the conversation up to that step (what the model saw, and its reply)
+        # every step's row is exactly the conversation up to that step's reply (what the model
+        # saw, and its reply): up to and including its own assistant message; a step the
+        # history does not show has no row
+        replies = [i for i, m in enumerate(history) if m["role"] == "assistant" and not m.get("is_demo")]
+        ends: dict[int, int] = {}  # step -> the end of its row in the history
+        nxt = 0
+        for k, step in enumerate(steps, 1):  # its reply: the first after the previous step's that repeats it
+            j = next((j for j in range(nxt, len(replies)) if history[replies[j]].get("action") == step["action"]
+                      or history[replies[j]]["content"] == step["response"]), None)
+            if j is not None:
+                ends[k], nxt = replies[j] + 1, j + 1
+        ends[len(steps)] = len(history)
         for k in range(1, len(steps) + 1):
-            got = by_leaf.get(f"{sid}#{k}")
-            if got is not None:
-                assert got == want[:len(got)]
+            if k in ends:
+                assert by_leaf[f"{sid}#{k}"] == want[:ends[k]], (rel(f), k)
+            else:
+                assert f"{sid}#{k}" not in by_leaf, (rel(f), k)
+        assert len(ends) >= len(steps) - 1, rel(f)  # at most one step (a hand-retried edit) has no row
         roles |= {m["role"] for m in want}
         checked += 1
     assert checked == 19 and roles == {"system", "user", "assistant", "tool"}
@@ -173,7 +195,7 @@ def test_sft_without_a_path_exports_each_steps_own_turns(imported: tuple[trellis
                                                         tmp_path: Path) -> None:
     db, _ = imported
     f = DATA / "demonstrations" / "ctf" / "forensics" / "flash.traj"
-    sid = f"swe-agent:{rel(f)}"
+    sid = sid_of(f)
     db.create_view("turns", "sft", messages="messages", where=f"session_id = '{sid}'", replace=True)
     assert db.materialize("turns")["rows"] == 4
     db.export("turns", tmp_path / "turns", "trl")
@@ -191,7 +213,7 @@ def test_split_history_is_the_history_in_step_order() -> None:
             parts = _split_history(history, steps)
             assert [m for p in parts for m in p] == history
             for part, step in zip(parts, steps, strict=True):  # a step's assistant message is its own
-                mine = [m for m in part if m["role"] == "assistant"]
+                mine = [m for m in part if m["role"] == "assistant" and not m.get("is_demo")]
                 assert all(m.get("action") == step["action"] or m["content"] == step["response"] for m in mine)
 
 
@@ -250,12 +272,12 @@ def test_a_bad_file_stops_the_import_naming_its_line(tmp_path: Path) -> None:
         import_run(db, "swe-agent", run, progress=False)
     # a.traj is in; nothing of b.traj (nor of c.traj, after it)
     sessions = {r["id"] for r in db.sql("SELECT id FROM sessions").to_pylist()}
-    assert sessions == {"swe-agent:a.traj"}
+    assert sessions == {sid_of(run / "a.traj")}
     assert db.sql("SELECT count(*) AS n FROM nodes").to_pylist() == [{"n": 4}]
     # fixed, the import goes on where it stopped
     shutil.copy(good, run / "b.traj")
     report = import_run(db, "swe-agent", run, progress=False)
-    assert report.skipped == ["a.traj"] and report.imported == ["b.traj", "c.traj"]
+    assert report.skipped == [unit(run / "a.traj")] and report.imported == [unit(run / "b.traj"), unit(run / "c.traj")]
     # not JSON at all: the line and column
     (run / "d.traj").write_text('{"trajectory": [\n  {"action": "ls",}\n]}')
     with pytest.raises(ImportFormatError, match=r"d\.traj:2:\d+: not valid JSON"):
@@ -263,17 +285,152 @@ def test_a_bad_file_stops_the_import_naming_its_line(tmp_path: Path) -> None:
     (run / "d.traj").write_text('{"trajectory": [], "history": [{"content": "no role"}]}')
     with pytest.raises(ImportFormatError, match=r"d\.traj:1: history\[0\]: is not a chat message"):
         import_run(db, "swe-agent", run, progress=False)
-    assert db.sql("SELECT count(*) AS n FROM sessions WHERE id = 'swe-agent:d.traj'").to_pylist() == [{"n": 0}]
+    assert db.sql("SELECT count(*) AS n FROM sessions WHERE id LIKE 'swe-agent:d@%'").to_pylist() == [{"n": 0}]
 
 
 def test_one_file_and_options(tmp_path: Path) -> None:
     db = trellisdb.connect(tmp_path / "db")
     f = DATA / "demonstrations" / "ctf" / "pwn" / "warmup.traj"
     report = import_run(db, "swe-agent", f, task="warmup-task", progress=False)
-    assert report.imported == ["warmup.traj"] and report.nodes == 7
-    assert db.sql("SELECT id, task_id FROM sessions").to_pylist() == [{"id": "swe-agent:warmup.traj",
+    assert report.imported == [unit(f)] and report.nodes == 7
+    assert db.sql("SELECT id, task_id FROM sessions").to_pylist() == [{"id": sid_of(f),
                                                                       "task_id": "warmup-task"}]
     with pytest.raises(trellisdb.ValidationError, match="unknown swe-agent import option 'tsk'; did you mean 'task'"):
         import_run(db, "swe-agent", f, tsk="x", progress=False)
     with pytest.raises(ImportFormatError, match=r"no \.traj files"):
         import_run(db, "swe-agent", tmp_path, progress=False)
+
+
+def test_the_same_trajectory_through_any_path_is_one_unit(tmp_path: Path) -> None:
+    db = trellisdb.connect(tmp_path / "db")
+    demos = sorted((DATA / "demonstrations").rglob("*.traj"))
+    first = import_run(db, "swe-agent", DATA / "demonstrations", progress=False)
+    assert first.source == "trajectories" and first.imported == [unit(f) for f in demos]
+    # the parent folder: only the files not imported yet
+    again = import_run(db, "swe-agent", DATA, progress=False)
+    assert sorted(again.skipped) == sorted(unit(f) for f in demos)
+    assert again.imported == [unit(f) for f in FILES if f not in demos]
+    assert db.sql("SELECT count(*) AS n FROM sessions").to_pylist() == [{"n": 20}]
+    # one file, then a copy of it elsewhere: the same unit
+    f = DATA / "demonstrations" / "ctf" / "rev" / "rock.traj"
+    assert import_run(db, "swe-agent", f, progress=False).skipped == [unit(f)]
+    copy = tmp_path / "elsewhere" / "renamed.traj"
+    copy.parent.mkdir()
+    shutil.copy(f, copy)
+    shutil.copy(f, tmp_path / "elsewhere" / "rock.traj")  # twice in one folder: imported once
+    report = import_run(db, "swe-agent", copy.parent, progress=False)
+    assert report.imported == [unit(copy)] and report.skipped == [unit(f)]
+    before = db.sql("SELECT count(*) AS n FROM nodes").to_pylist()
+    assert import_run(db, "swe-agent", copy.parent, progress=False).imported == []
+    assert db.sql("SELECT count(*) AS n FROM nodes").to_pylist() == before
+    assert db.sql("SELECT count(*) AS n FROM sessions").to_pylist() == [{"n": 21}]  # the renamed copy: its own stem
+
+
+def test_demonstration_messages_go_with_the_first_step() -> None:
+    real = load(DATA / "test_data" / "gpt4__swe-bench-dev-easy_first_only__default__t-0.00__p-0.95__c-3.00__install-1"
+                / "pydicom__pydicom-1458.traj")
+    demo = load(next(f for f in FILES if "replay__marshmallow-code__marshmallow-1867__default_sys-env_window100" in str(f)))
+    # put_demos_in_history: the demonstration's messages (assistant ones too) after the system prompt
+    demos = [dict(m, is_demo=True) for m in demo["history"] if m["role"] != "system"]
+    history = real["history"][:1] + demos + real["history"][1:]
+    steps = real["trajectory"]
+    parts = _split_history(history, steps)
+    assert [m for p in parts for m in p] == history
+    plain = _split_history(real["history"], steps)
+    assert [len(p) for p in parts] == [len(plain[0]) + len(demos), *map(len, plain[1:])]
+    assert parts[0][1:1 + len(demos)] == demos
+    for part, step in zip(parts, steps, strict=True):
+        mine = [m for m in part if m["role"] == "assistant" and not m.get("is_demo")]
+        assert len(mine) == 1 and mine[0]["action"] == step["action"]
+
+
+def test_info_fields_named_like_the_imports_own_get_info_before_them(tmp_path: Path) -> None:
+    doc = load(DATA / "demonstrations" / "ctf" / "forensics" / "flash.traj")
+    doc["info"].update({"thought": "a thought of the info", "tokens_sent": 5, "model_stats": {"tokens_sent": 7},
+                        "other": "kept as it is", "submission": "the patch"})
+    f = tmp_path / "run" / "flash.traj"
+    f.parent.mkdir()
+    f.write_text(json.dumps(doc))
+    db = trellisdb.connect(tmp_path / "db")
+    import_run(db, "swe-agent", f, progress=False)
+    sid = sid_of(f)
+    n = len(doc["trajectory"])
+    arts = artifacts(db, sid)
+    assert arts[(f"{sid}#{n}", "thought")] == doc["trajectory"][-1]["thought"]
+    assert arts[(f"{sid}#{n}", "info_thought")] == "a thought of the info"
+    assert arts[(f"{sid}#{n}", "other")] == "kept as it is"
+    assert arts[(f"{sid}#{n}", "submission")] == "the patch"
+    attrs = session_attrs(db, sid)
+    assert attrs["tokens_sent"] == 7 and attrs["info_tokens_sent"] == 5
+
+
+def _messy(tmp_path: Path, name: str, text: str) -> tuple[trellisdb.Database, Path]:
+    run = tmp_path / name
+    run.mkdir()
+    shutil.copy(DATA / "demonstrations" / "ctf" / "pwn" / "warmup.traj", run / "a.traj")
+    (run / "b.traj").write_text(text)
+    return trellisdb.connect(tmp_path / f"{name}.db"), run
+
+
+@pytest.mark.parametrize(("case", "pattern"), [
+    ("big_int", r"b\.traj: JSON this reader cannot take \(Exceeds the limit"),
+    ("deep", r"b\.traj: JSON this reader cannot take \(values nested too deeply\)"),
+    ("surrogate", r"b\.traj:\d+: trajectory\[0\]\.observation: is not valid UTF-8 text \(a lone surrogate"),
+    ("surrogate_key", r"b\.traj:\d+: info\.\\udc00: is not valid UTF-8 text"),
+    ("seconds", r"b\.traj:\d+: trajectory\[0\]\.execution_time: is '1000.*not a number of seconds"),
+    ("spec", r"b\.traj:\d+: replay_config\.problem_statement\.text: is a number, not text"),
+    ("stat", r"b\.traj:\d+: info\.model_stats\.tokens_sent: is a number beyond the range of a double"),
+])
+def test_messy_values_are_refused_naming_file_line_and_field(tmp_path: Path, case: str, pattern: str) -> None:
+    doc = {"trajectory": [{"thought": "t", "action": "ls", "observation": "o", "response": "r", "state": "{}"}],
+           "history": [], "info": {"exit_status": "submitted"}}
+    if case == "big_int":
+        text = json.dumps(doc).replace('"submitted"', "1" + "0" * 5000)
+    elif case == "deep":
+        text = json.dumps(doc).replace('"submitted"', "[" * 100_000 + "]" * 100_000)
+    elif case == "surrogate":  # binary output an observation holds, escaped by a lenient writer
+        text = json.dumps(doc).replace('"o"', '"ELF\\udc00\\udc01"')
+    elif case == "surrogate_key":
+        text = json.dumps(doc).replace('"exit_status"', '"\\udc00": 1, "exit_status"')
+    elif case == "seconds":
+        doc["trajectory"][0]["execution_time"] = 10**400
+        text = json.dumps(doc)
+    elif case == "spec":
+        doc["replay_config"] = {"problem_statement": {"id": "p", "text": 5}}
+        text = json.dumps(doc)
+    else:
+        doc["info"]["model_stats"] = {"tokens_sent": 10**400}
+        text = json.dumps(doc)
+    db, run = _messy(tmp_path, case, text)
+    with pytest.raises(ImportFormatError, match=pattern):
+        import_run(db, "swe-agent", run, progress=False)
+    # the file before it is in, nothing of the bad one
+    assert db.sql("SELECT id FROM sessions").to_pylist() == [{"id": sid_of(run / "a.traj")}]
+    # an emoji, escaped as a surrogate pair (as json.dumps writes it), is text
+    doc["trajectory"][0]["observation"] = "done \U0001f600"
+    doc.pop("replay_config", None)
+    doc["info"] = {"exit_status": "submitted"}
+    doc["trajectory"][0].pop("execution_time", None)
+    (run / "b.traj").write_text(json.dumps(doc))
+    assert import_run(db, "swe-agent", run, progress=False).imported == [unit(run / "b.traj")]
+    assert artifacts(db, sid_of(run / "b.traj"))[(f"{sid_of(run / 'b.traj')}#1", "observation")] == "done \U0001f600"
+
+
+def test_a_file_linking_outside_the_folder_is_refused(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    run.mkdir()
+    shutil.copy(DATA / "demonstrations" / "ctf" / "pwn" / "warmup.traj", run / "a.traj")
+    (run / "b.traj").symlink_to(DATA / "demonstrations" / "ctf" / "rev" / "rock.traj")
+    (run / "sub").mkdir()
+    (run / "sub" / "a.traj").symlink_to(run / "a.traj")  # inside: read (the same unit as a.traj: once)
+    db = trellisdb.connect(tmp_path / "db")
+    with pytest.raises(ImportFormatError, match=r"b\.traj: a symbolic link to .*rock\.traj, outside the folder given"):
+        import_run(db, "swe-agent", run, progress=False)
+    assert db.sql("SELECT count(*) AS n FROM sessions").to_pylist() == [{"n": 0}]
+    (run / "b.traj").unlink()
+    report = import_run(db, "swe-agent", run, progress=False)
+    assert report.imported == [unit(run / "a.traj")] and report.skipped == [unit(run / "a.traj")]
+    # a link given itself is read
+    (tmp_path / "link.traj").symlink_to(DATA / "demonstrations" / "ctf" / "rev" / "rock.traj")
+    assert import_run(db, "swe-agent", tmp_path / "link.traj", progress=False).imported == [
+        unit(DATA / "demonstrations" / "ctf" / "rev" / "rock.traj").replace("rock@", "link@")]

@@ -113,8 +113,9 @@ def build_parser() -> argparse.ArgumentParser:
     imp = sub.add_parser("import", help="import a recorded run (OpenEvolve, SWE-agent, JSONL, OpenTelemetry)")
     imp.add_argument("format", help="openevolve | swe-agent | jsonl | otel")
     imp.add_argument("path", help="the run's folder or file, as its tool wrote it")
-    imp.add_argument("--task", default=None, help="task id for the run (default: from the run)")
-    imp.add_argument("--tag-prefix", default=None, help="prefix of the tags an import writes (openevolve)")
+    imp.add_argument("--task", default=None, help="task id for the run (openevolve, swe-agent, otel; default: from the run)")
+    imp.add_argument("--tag-prefix", default=None,
+                     help="prefix of the tags an import writes (openevolve, jsonl; the other formats write no tags)")
     imp.add_argument("--session", default=None, help="session id for the run (openevolve; default from the run folder)")
     imp.add_argument("--no-progress", action="store_true", help="no progress bar")
     demo = sub.add_parser("demo", help="run a small simulated search into the database")

@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from trellisdb.errors import ImportFormatError, ValidationError
-from trellisdb.importers.units import Unit
+from trellisdb.importers.units import Unit, inside, outside_error
 from trellisdb.names import check_name, check_text, did_you_mean
 from trellisdb.rules import (
     ATTRIBUTE_SCOPES,
@@ -123,10 +123,13 @@ def _count(what: str, v: Any) -> int:
 
 
 def _number(what: str, v: Any, *, negative: bool = True) -> float:
-    if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(float(v)) \
-            or (not negative and v < 0):
+    try:
+        x = float(v) if isinstance(v, numbers.Real) and not isinstance(v, bool) else math.nan
+    except OverflowError:  # an integer beyond a double's range (JSON allows any number of digits)
+        x = math.nan
+    if not math.isfinite(x) or (not negative and x < 0):
         raise _Bad(f"{what} is {_show(v)}; write a finite number{'' if negative else ' >= 0'}, e.g. 0.5")
-    return float(v)
+    return x
 
 
 def _object(what: str, v: Any) -> dict[str, Any]:
@@ -143,6 +146,8 @@ def _time(what: str, v: Any) -> Any:
         return event_time(v, what)
     except ValidationError as e:
         raise _Bad(f"{e}; or write epoch seconds") from None
+    except OverflowError:  # epoch seconds beyond a double's range
+        raise _Bad(f"{what} is {_show(v)}, outside the years 1-9999; write epoch seconds or ISO-8601 text") from None
 
 
 def _json_text(what: str, v: Any) -> str:
@@ -154,6 +159,7 @@ def _show(v: Any) -> str:
     kind = {dict: "an object", list: "a list", str: "a string", bool: "a boolean", int: "a number",
             float: "a number", type(None): "null"}.get(type(v), type(v).__name__)
     text = json.dumps(v, ensure_ascii=False) if v is not None else "null"
+    text = text.encode("utf-8", "backslashreplace").decode()  # a lone surrogate, shown escaped
     return f"{text[:60]}{'...' if len(text) > 60 else ''} ({kind})" if v is not None else "null"
 
 
@@ -232,9 +238,9 @@ def _payload(what: str, v: Any) -> tuple[bytes, str | None]:
 
 def _content(what: str, v: Mapping[str, Any]) -> tuple[bytes, str | None]:
     media = None if v.get("media_type") is None else _name(f"{what}.media_type", v["media_type"])
-    if ("text" in v) == ("base64" in v):
+    if (v.get("text") is None) == (v.get("base64") is None):  # null is absent
         raise _Bad(f"{what} needs exactly one of 'text' (the content as text) and 'base64' (bytes, base64-encoded)")
-    if "text" in v:
+    if v.get("text") is not None:
         return _text(f"{what}.text", v["text"]).encode(), media or "text/plain"
     raw = v["base64"]
     if not isinstance(raw, str):
@@ -285,6 +291,10 @@ def _attrs(v: Any, scope: str, entity: str, at: Any, sid: str | None, what: str)
         return attribute_rows(scope, entity, _object(what, v), at, sid)
     except ValidationError as e:
         raise _Bad(f"{what}: {e}") from None
+    except OverflowError:  # an integer beyond a double's range
+        big = next((k for k, x in v.items() if isinstance(x, int) and not isinstance(x, bool)
+                    and abs(x) > 2**1023), "?")
+        raise _Bad(f"{what}.{big} is a number beyond the range of a double; write it as a string") from None
 
 
 def _labels(nodes: list[str], v: Any, present: bool, at: Any, sid: str | None, what: str) -> list[dict[str, Any]]:
@@ -302,18 +312,26 @@ def _node(run: _Run, rec: Mapping[str, Any], out: _Rows, line: int) -> None:
         raise _Bad(f"node {nid!r} is written at line {run.nodes[nid]} already; a node is written once (change "
                    "it with attr or label records, or give this one another id)")
     sid = _session_of(run, rec, "node")
-    parents = _names("node.parents", rec.get("parents", []))
-    kind_edge = rec.get("edge_kind", "derived_from")
+    parents = _names("node.parents", _given(rec, "parents", []))
+    kind_edge = _given(rec, "edge_kind", "derived_from")
     try:
         check_edge_kind(kind_edge)
     except ValidationError as e:
         raise _Bad(f"node.edge_kind: {e}") from None
     at = _time("node.at", rec["at"]) if rec.get("at") is not None else None
-    step = _count("node.step", rec["step"]) if rec.get("step") is not None else run.steps.get(sid, 0) + 1
+    if rec.get("step") is not None:
+        step = _count("node.step", rec["step"])
+    else:
+        step = run.steps.get(sid, 0) + 1
+        if step > INT64_MAX:
+            raise _Bad(f"node.step is not given and the session's last step is {INT64_MAX}, the largest there "
+                       "is; give this node its step")
     cost = _object("node.cost", rec.get("cost") or {})
     for k, v in cost.items():
         if k not in COST_FIELDS:
             raise _Bad(f"node.cost has {k!r}{did_you_mean(k, COST_FIELDS)}; its fields are {', '.join(COST_FIELDS)}")
+        if v is None:  # null is absent
+            continue
         if k.startswith("tokens"):
             _count(f"node.cost.{k}", v)
         else:
@@ -324,8 +342,8 @@ def _node(run: _Run, rec: Mapping[str, Any], out: _Rows, line: int) -> None:
             raise _Bad(f"node.embedding is {_show(emb)}; write a list of numbers")
         emb = [_number(f"node.embedding[{i}]", x) for i, x in enumerate(emb)]
     row = {"id": nid, "session_id": sid, "task_id": run.sessions[sid],
-           "kind": _name("node.kind", rec.get("kind", "attempt")), "step": step,
-           "status": _name("node.status", rec.get("status", "pending")),
+           "kind": _name("node.kind", _given(rec, "kind", "attempt")), "step": step,
+           "status": _name("node.status", _given(rec, "status", "pending")),
            "summary": _text("node.summary", rec["summary"]) if rec.get("summary") is not None else None,
            "source": _text("node.source", rec["source"]) if rec.get("source") is not None else None,
            "action": _text("node.action", rec["action"]) if rec.get("action") is not None else None,
@@ -353,6 +371,12 @@ def _node(run: _Run, rec: Mapping[str, Any], out: _Rows, line: int) -> None:
     run.steps[sid] = max(run.steps.get(sid, 0), step)
 
 
+def _given(rec: Mapping[str, Any], key: str, default: Any) -> Any:
+    """An optional field's value; its default when it is absent or null."""
+    v = rec.get(key)
+    return default if v is None else v
+
+
 def _optional_session(run: _Run, rec: Mapping[str, Any], what: str) -> str | None:
     return None if rec.get("session") is None else _session_of(run, rec, what)
 
@@ -361,7 +385,7 @@ def _edge(run: _Run, rec: Mapping[str, Any], out: _Rows) -> None:
     src, dst = _name("edge.src", rec["src"]), _name("edge.dst", rec["dst"])
     if src == dst:
         raise _Bad(f"edge {src!r} -> {dst!r} is a self-loop; an edge joins two nodes")
-    kind = rec.get("kind", "derived_from")
+    kind = _given(rec, "kind", "derived_from")
     if kind not in EDGE_KINDS:
         raise _Bad(f"edge.kind {kind!r} is not an edge kind{did_you_mean(str(kind), EDGE_KINDS)}; kinds are "
                    f"{', '.join(EDGE_KINDS)}")
@@ -385,7 +409,7 @@ def _artifact(run: _Run, rec: Mapping[str, Any], out: _Rows) -> None:
 
 
 def _attr(run: _Run, rec: Mapping[str, Any], out: _Rows) -> None:
-    scope = rec.get("scope", "node")
+    scope = _given(rec, "scope", "node")
     if scope not in ATTRIBUTE_SCOPES:
         raise _Bad(f"attr.scope is {_show(scope)}; write one of {', '.join(ATTRIBUTE_SCOPES)}")
     entity = _name("attr.entity", rec["entity"])
@@ -438,6 +462,9 @@ def _record(text: str) -> dict[str, Any]:
     except json.JSONDecodeError as e:
         raise _Bad(f"not valid JSON ({e.msg} at column {e.colno}); each line is one JSON object like "
                    "{\"type\": \"node\", \"id\": \"n1\"}") from None
+    except (ValueError, RecursionError) as e:  # a number of thousands of digits; nesting too deep
+        raise _Bad(f"JSON this reader cannot take ({'nested too deep' if isinstance(e, RecursionError) else e}); "
+                   "write numbers of at most a few hundred digits, and values nested less deeply") from None
     if not isinstance(rec, dict):
         raise _Bad(f"the line is {_show(rec)}; each line is one JSON object like {{\"type\": \"node\", \"id\": \"n1\"}}")
     kind = rec.get("type")
@@ -482,7 +509,7 @@ def _file_units(file: str, name: str, prefix: str) -> Iterator[Unit]:
         first = True
         for n, raw in enumerate(fh, 1):
             try:
-                text = raw.decode()
+                text = raw.decode("utf-8-sig" if n == 1 else "utf-8")  # a byte order mark may start the file
             except UnicodeDecodeError as e:
                 raise ImportFormatError(f"{file}:{n}: not UTF-8 text (byte {e.start} of the line); "
                                         "write the file as UTF-8") from None
@@ -562,6 +589,9 @@ def _files(path: str) -> list[tuple[str, str]]:
     found = sorted((p.relative_to(root).as_posix(), str(p)) for p in root.rglob("*.jsonl") if p.is_file())
     if not found:
         raise ImportFormatError(f"{path}: no .jsonl files in this folder or below")
+    for _, f in found:
+        if not inside(f, path):
+            raise outside_error(f, path)
     return [(f, name) for name, f in found]
 
 

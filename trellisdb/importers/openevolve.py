@@ -24,18 +24,21 @@ import contextlib
 import datetime as dt
 import hashlib
 import heapq
+import inspect
 import json
 import math
 import os
 import re
+import sys
 import warnings
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from trellisdb.errors import ImportFormatError, TrellisWarning, ValidationError
-from trellisdb.importers.units import Unit
+from trellisdb.importers.units import SURROGATE_ESCAPE_BYTES, Unit, inside, json_path, lone_surrogate, outside_error
 from trellisdb.names import check_name, did_you_mean
+from trellisdb.rules import INT64_MAX
 
 __all__ = ["IncompleteCheckpointWarning", "source_name", "units"]
 
@@ -43,7 +46,7 @@ __all__ = ["IncompleteCheckpointWarning", "source_name", "units"]
 OPTIONS = ("task", "tag_prefix", "session")
 
 #: A checkpoint folder's name: ``checkpoint_<k>``, k written as OpenEvolve writes it (no leading zeros).
-_CHECKPOINT = re.compile(r"checkpoint_(0|[1-9][0-9]*)")
+_CHECKPOINT = re.compile(r"checkpoint_(0|[1-9][0-9]{0,17})")  # at most 18 digits: k fits in 64 bits
 
 #: Top-level fields of a program file the import maps itself; any other becomes an attribute.
 _PROGRAM_FIELDS = frozenset({"id", "code", "language", "parent_id", "timestamp", "metrics", "metadata",
@@ -70,7 +73,8 @@ SOURCE = "openevolve"
 class IncompleteCheckpointWarning(TrellisWarning):
     """The last checkpoint folder has no ``metadata.json`` (OpenEvolve writes it last, so the
     checkpoint is still being written, or the run stopped while writing it): it is not imported
-    now; importing again once it is complete imports it."""
+    now; importing again once it is complete imports it. The message names the folder; the
+    warning is raised when the import starts, at the caller's line (``import_run``)."""
 
 
 # ------------------------------------------------------------------ layout
@@ -120,7 +124,7 @@ def _layout(path: str) -> _Layout:
 def _last_iteration(meta_path: str) -> int:
     meta = _mapping(_read_json(meta_path), meta_path, "metadata")
     k = meta.get("last_iteration")
-    if not isinstance(k, int) or isinstance(k, bool) or k < 0:
+    if not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= INT64_MAX:
         raise ImportFormatError(f"{meta_path}: the folder is not named checkpoint_<k> and last_iteration is "
                                 f"{k!r}, not an iteration number")
     return k
@@ -135,11 +139,28 @@ def _json_error(where: str, e: json.JSONDecodeError) -> ImportFormatError:
 
 def _parse(data: bytes, where: str) -> Any:
     try:
-        return json.loads(data)
+        value = json.loads(data)
     except json.JSONDecodeError as e:
         raise _json_error(where, e) from None
     except UnicodeDecodeError as e:
         raise ImportFormatError(f"{where}: not UTF-8 text at byte {e.start}; OpenEvolve writes JSON") from None
+    except (ValueError, RecursionError) as e:  # a number of thousands of digits; nesting too deep
+        why = "values nested too deeply" if isinstance(e, RecursionError) else str(e)
+        raise ImportFormatError(f"{where}: JSON this reader cannot take ({why})") from None
+    if SURROGATE_ESCAPE_BYTES.search(data):
+        _no_surrogates(value, where, "")
+    return value
+
+
+def _no_surrogates(value: Any, where: str, name: str) -> None:
+    """Refuse a string (or key) of ``value`` that UTF-8 cannot hold (a lone surrogate, which JSON
+    and Python literals can escape), naming where it is."""
+    bad = lone_surrogate(value)
+    if bad is not None:
+        at = ".".join(x for x in (name, json_path(bad[0])) if x) or "the file"
+        at = at.encode("utf-8", "backslashreplace").decode()
+        raise ImportFormatError(f"{where}: {at} is not valid UTF-8 text ({bad[1]}); the file escapes half of a "
+                                "UTF-16 surrogate pair, which no text can hold")
 
 
 def _read_json(where: str) -> Any:
@@ -170,13 +191,15 @@ def _structured(value: Any, where: str, name: str) -> Any:
     if not isinstance(value, str) or value.lstrip()[:1] not in ("[", "{", "("):
         return value  # parsed JSON holds no sets or tuples
     try:
-        return json.loads(value)
-    except ValueError:
+        out = json.loads(value)
+    except (ValueError, RecursionError):
         try:
-            return _plain(_literal(value))
+            out = _plain(_literal(value))
         except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
             raise ImportFormatError(f"{where}: {name} is a string that is neither JSON nor a Python literal: "
                                     f"{value[:80]!r}") from None
+    _no_surrogates(out, where, name)
+    return out
 
 
 def _plain(value: Any) -> Any:
@@ -209,9 +232,12 @@ def _ids(value: Any, where: str, name: str) -> list[str]:
 
 def _json_safe(value: Any) -> Any:
     """``value`` as JSON values: a non-finite float as the text JSON would need (``"NaN"``,
-    ``"Infinity"``, ``"-Infinity"``), keys as strings, anything else exotic as its ``repr``."""
+    ``"Infinity"``, ``"-Infinity"``), an integer beyond a double's range as its decimal text,
+    keys as strings, anything else exotic as its ``repr``."""
     if isinstance(value, float) and not math.isfinite(value):
         return "NaN" if math.isnan(value) else "Infinity" if value > 0 else "-Infinity"
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) > _DOUBLE_MAX:
+        return str(value)
     if value is None or isinstance(value, str | bool | int | float):
         return value
     if isinstance(value, dict):
@@ -234,6 +260,9 @@ def _dumps(value: Any) -> str:
     return json.dumps(value, sort_keys=True, allow_nan=False, ensure_ascii=False)
 
 
+#: The largest finite double (an integer beyond it has no number an attribute can hold).
+_DOUBLE_MAX = sys.float_info.max
+
 #: JSON text of a string, as ``json.dumps(s, ensure_ascii=False)`` writes it
 _ENCODE_STR: Any = getattr(json.encoder, "c_encode_basestring", None) or json.encoder.py_encode_basestring
 
@@ -249,8 +278,12 @@ def _time(value: Any, where: str, name: str) -> dt.datetime | None:
     """Epoch seconds as a UTC time (None: not given)."""
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        raise ImportFormatError(f"{where}: {name} is {value!r}, not seconds since the epoch")
+    try:
+        finite = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+    except OverflowError:  # an integer beyond a double's range
+        finite = False
+    if not finite:
+        raise ImportFormatError(f"{where}: {name} is {str(value)[:40]}, not seconds since the epoch")
     try:
         return dt.datetime.fromtimestamp(value, dt.UTC)
     except (OverflowError, OSError, ValueError):
@@ -320,18 +353,21 @@ def _program(raw: Any, where: str, stem: str, session: str, task: str) -> _Progr
     metrics = _mapping(raw.get("metrics") or {}, where, "metrics")
     prompts = _mapping(raw.get("prompts") or {}, where, "prompts")
     it = raw.get("iteration_found")
-    if it is not None and (isinstance(it, bool) or not isinstance(it, int)):
-        raise ImportFormatError(f"{where}: iteration_found is {it!r}, not an iteration number")
+    if it is not None and (isinstance(it, bool) or not isinstance(it, int) or not 0 <= it <= INT64_MAX):
+        raise ImportFormatError(f"{where}: iteration_found is {str(it)[:40]}, not an iteration number (a whole "
+                                f"number from 0 to {INT64_MAX})")
     ts = raw.get("timestamp")
     at = _time(ts, where, "timestamp")
     facts = _Facts()
     for name, v in metrics.items():  # numbers are rewards; anything else (an error text, a flag, NaN) an attribute
-        if isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v):
+        if isinstance(v, int | float) and not isinstance(v, bool):
             try:
-                facts.rewards[str(name)] = float(v)
+                x = float(v)
+            except OverflowError:  # an integer beyond a double's range: kept as its text
+                x = math.nan
+            if math.isfinite(x):
+                facts.rewards[str(name)] = x
                 continue
-            except OverflowError:
-                pass
         _attr(facts, f"metric.{name}", v, where)
     for key in ("generation", "iteration_found", "complexity", "diversity", "language"):
         _attr(facts, key, raw.get(key), where)
@@ -350,7 +386,13 @@ def _program(raw: Any, where: str, stem: str, session: str, task: str) -> _Progr
         texts = _mapping(texts, where, f"prompts.{template}")
         for key, v in sorted(texts.items()):
             if key == "responses":
-                for i, r in enumerate(_structured(v, where, f"prompts.{template}.responses") or []):
+                responses = _structured(v, where, f"prompts.{template}.responses")
+                if isinstance(responses, str):  # one response, not in a list
+                    responses = [responses]
+                if responses is not None and not isinstance(responses, list):
+                    raise ImportFormatError(f"{where}: prompts.{template}.responses is a {type(responses).__name__}, "
+                                            "not a list of texts")
+                for i, r in enumerate(responses or []):
                     if isinstance(r, str) and r:
                         _artifact(facts, f"response/{template}/{i}", "text/plain", _utf8(r, where, "a response"))
             elif isinstance(v, str) and v:
@@ -459,7 +501,9 @@ def _program_files(ckpt: str) -> dict[str, str]:
 def units(path: str, **options: Any) -> Iterator[Unit]:
     """One :class:`Unit` per checkpoint, ascending (see the module notes and
     ``docs/import-openevolve.md``); a file that cannot be read raises ImportFormatError naming it
-    when its checkpoint's turn comes (the checkpoints before it are committed by then)."""
+    when its checkpoint's turn comes (the checkpoints before it are committed by then). The
+    folders are listed here, at the call: a layout error, a file linking outside the run, and
+    the :class:`IncompleteCheckpointWarning` come from it, in the caller's thread."""
     task_opt, prefix, session_opt = _options(options)
     layout = _layout(path)
     name = os.path.basename(layout.run) or "run"
@@ -478,15 +522,35 @@ def units(path: str, **options: Any) -> Iterator[Unit]:
                                     "(OpenEvolve writes metadata.json last)")
         warnings.warn(f"{last}: no metadata.json, the checkpoint is incomplete (being written?); checkpoint_{last_k} "
                       "is not imported now (import again once it is complete)", IncompleteCheckpointWarning,
-                      stacklevel=2)
+                      stacklevel=_caller_level())
         ckpts.pop()
     # Every program file of the run, by id: a parent that appears only in a later checkpoint gets
     # its edge when it is written; one with no file anywhere is recorded on the child.
     files = {k: _program_files(d) for k, d in ckpts}
+    for k, d in ckpts:  # a file that links outside the folder given is not read
+        for f in (os.path.join(d, "metadata.json"), os.path.join(d, "best_program_info.json"), *files[k].values()):
+            if os.path.lexists(f) and not inside(f, layout.source):
+                raise outside_error(f, layout.source)
     anywhere = {pid for fs in files.values() for pid in fs}
-    run = _Run(session, task)
+    return _units(_Run(session, task), ckpts, files, anywhere, prefix, layout.run)
+
+
+def _caller_level() -> int:
+    """The ``stacklevel`` of a warning raised in the caller of this function that points at the
+    first frame outside the importers (the line that called ``import_run``)."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    me = inspect.currentframe()
+    frame, level = (me.f_back if me is not None else None), 1
+    while frame is not None and frame.f_back is not None and \
+            os.path.dirname(os.path.abspath(frame.f_code.co_filename)) == here:
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+def _units(run: _Run, ckpts: list[tuple[int, str]], files: dict[int, dict[str, str]], anywhere: set[str],
+           prefix: str, run_folder: str) -> Iterator[Unit]:
     for i, (k, folder) in enumerate(ckpts):
-        yield _unit(run, k, folder, files[k], anywhere, first=(i == 0), prefix=prefix, run_folder=layout.run)
+        yield _unit(run, k, folder, files[k], anywhere, first=(i == 0), prefix=prefix, run_folder=run_folder)
 
 
 def _unit(run: _Run, k: int, folder: str, files: dict[str, str], anywhere: set[str], *, first: bool, prefix: str,
@@ -537,6 +601,9 @@ def _unit(run: _Run, k: int, folder: str, files: dict[str, str], anywhere: set[s
                 p.facts.attrs["parent_id_missing"] = _dumps(p.parent_id)
         for child, at in run.pending.pop(p.id, ()):
             rows["edges"].append(_edge(p.id, child, run.session, at))
+            # an earlier import, before this parent's checkpoint existed, found it missing: no longer
+            rows["attributes"].append({"scope": "node", "entity": child, "key": "parent_id_missing", "value": None,
+                                       "retracted": True, "session_id": run.session, "event_time": at})
         _facts_rows(rows, run, p.id, p.at, _Facts(), p.facts)
         run.facts[p.id] = p.facts
     population = set(files)
@@ -605,7 +672,11 @@ def _memberships(rows: dict[str, list[dict[str, Any]]], run: _Run, k: int, where
         raise ImportFormatError(f"{where}: best_program_id is {best!r}, not a program id")
     cells: dict[str, str] = {}  # program -> cell key
     maps = [metadata.get("feature_map")]
-    maps += _structured(metadata.get("island_feature_maps"), where, "island_feature_maps") or []
+    island_maps = _structured(metadata.get("island_feature_maps"), where, "island_feature_maps") or []
+    if not isinstance(island_maps, list):
+        raise ImportFormatError(f"{where}: island_feature_maps is a {type(island_maps).__name__}, not a list of "
+                                "feature maps (one per island)")
+    maps += island_maps
     for i, fm in enumerate(maps):
         if fm is None:
             continue

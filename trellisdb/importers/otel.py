@@ -43,9 +43,9 @@ from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
 from trellisdb.errors import ImportFormatError, ValidationError
-from trellisdb.importers.units import Unit
+from trellisdb.importers.units import SURROGATE_ESCAPE, Unit, inside, json_path, lone_surrogate, outside_error
 from trellisdb.names import check_name, name_problem
-from trellisdb.rules import ATTR_MAX_BYTES
+from trellisdb.rules import ATTR_MAX_BYTES, INT64_MAX
 
 __all__ = ["SOURCE", "node_kind", "source_name", "units"]
 
@@ -204,23 +204,34 @@ def _int(v: object, loc: _Loc, path: str) -> int:
     """A 64-bit integer of the protobuf JSON mapping: a number or a decimal string."""
     if isinstance(v, bool):
         _fail(loc, path, f"must be an integer, got {v!r}")
+    n: int | None = None
     if isinstance(v, int):
-        return v
-    if isinstance(v, float) and v.is_integer():
-        return int(v)
-    if isinstance(v, str):
-        try:
-            return int(v.strip())
-        except ValueError:
-            pass
-    _fail(loc, path, f"must be an integer (a number or a decimal string), got {v!r}")
+        n = v
+    elif isinstance(v, float) and v.is_integer():
+        n = int(v)
+    elif isinstance(v, str) and v.strip().lstrip("+-").isascii() and v.strip().lstrip("+-").isdigit():
+        n = int(v.strip())  # ASCII digits only: int() takes other scripts' digits, and '_'
+    if n is None:
+        _fail(loc, path, f"must be an integer (a number or a decimal string), got {_short(v)}")
+    if not -INT64_MAX - 1 <= n <= INT64_MAX:
+        _fail(loc, path, f"{_short(n)} is out of the range of a 64-bit integer (OTLP's int64)")
+    return n
+
+
+def _short(v: object) -> str:
+    """``repr(v)``, cut to 60 characters (a number of thousands of digits is shown by its start)."""
+    text = repr(v) if not isinstance(v, int) or abs(v) < 10**60 else f"{str(v)[:20]}... ({len(str(abs(v)))} digits)"
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def _double(v: object, loc: _Loc, path: str) -> float | str:
     """A double of the protobuf JSON mapping; NaN and the infinities (which JSON cannot hold)
     are kept as the strings ``"NaN"``, ``"Infinity"``, ``"-Infinity"``."""
     if isinstance(v, int | float) and not isinstance(v, bool):
-        x = float(v)
+        try:
+            x = float(v)
+        except OverflowError:  # an integer of hundreds of digits
+            _fail(loc, path, f"{_short(v)} is out of the range of a double")
     elif isinstance(v, str):
         try:
             x = float(v)
@@ -331,6 +342,26 @@ def _loads(text: str) -> Any:
     return json.loads(text, parse_constant=_json_constant)
 
 
+def _parse_text(text: str, file: str, line: int | None) -> Any:
+    """A file's JSON (``line`` None) or one line's; ImportFormatError naming the file and line if
+    it is not JSON, is JSON this reader cannot take, or holds text UTF-8 cannot hold."""
+    try:
+        doc = _loads(text)
+    except json.JSONDecodeError as e:
+        raise ImportFormatError(f"{file}:{e.lineno if line is None else line}:{e.colno}: is not valid JSON: "
+                                f"{e.msg}") from None
+    except (ValueError, RecursionError) as e:  # a number of thousands of digits; nesting too deep
+        why = "values nested too deeply" if isinstance(e, RecursionError) else str(e)
+        raise ImportFormatError(f"{_Loc(file, line)}: is JSON this reader cannot take ({why})") from None
+    if SURROGATE_ESCAPE.search(text):
+        bad = lone_surrogate(doc)
+        if bad is not None:
+            at = json_path(bad[0]).encode("utf-8", "backslashreplace").decode()
+            raise ImportFormatError(f"{_Loc(file, line)}: {at or 'the value'}: is not valid UTF-8 text ({bad[1]}); "
+                                    "the file escapes half of a UTF-16 surrogate pair, which no text can hold")
+    return doc
+
+
 class _Reader:
     """Reads OTLP JSON files into traces; keeps the first error and goes on reading (a trace
     with spans in or after the file of the first error is not imported)."""
@@ -357,20 +388,19 @@ class _Reader:
         filled = [(i + 1, ln) for i, ln in enumerate(lines) if ln.strip()]
         if len(filled) >= 2 and _is_object(filled[0][1]):  # JSON Lines: one request per line
             for no, ln in filled:
-                loc = _Loc(path, no)
                 try:
-                    doc = _loads(ln)
-                except json.JSONDecodeError as e:
-                    self._error(index, ImportFormatError(f"{path}:{no}:{e.colno}: is not valid JSON: {e.msg}"))
+                    doc = _parse_text(ln, path, no)
+                except ImportFormatError as e:
+                    self._error(index, e)
                     continue
-                self._request(index, doc, loc)
+                self._request(index, doc, _Loc(path, no))
             return
         if not filled:
             return
         try:
-            doc = _loads(text)
-        except json.JSONDecodeError as e:
-            self._error(index, ImportFormatError(f"{path}:{e.lineno}:{e.colno}: is not valid JSON: {e.msg}"))
+            doc = _parse_text(text, path, None)
+        except ImportFormatError as e:
+            self._error(index, e)
             return
         self._request(index, doc, _Loc(path))
 
@@ -496,7 +526,7 @@ def _read_bytes(path: str) -> bytes:
 def _is_object(line: str) -> bool:
     try:
         return isinstance(_loads(line), dict)
-    except json.JSONDecodeError:
+    except (ValueError, RecursionError):
         return False
 
 
@@ -511,6 +541,9 @@ def _files(path: str) -> list[str]:
                 found.append(os.path.join(root, n))
     if not found:
         raise ImportFormatError(f"{path}: no OTLP JSON files in this folder (*.json, *.jsonl, *.ndjson, or .gz of them)")
+    for f in found:
+        if not inside(f, path):
+            raise outside_error(f, path)
     return sorted(found, key=lambda f: os.path.relpath(f, path))
 
 
@@ -549,9 +582,11 @@ def _maybe_json(v: Any) -> Any:
     recorded as JSON strings); other text stays as it is."""
     if isinstance(v, str) and v[:1] in ("[", "{"):
         try:
-            return _loads(v)
-        except json.JSONDecodeError:
+            parsed = _loads(v)
+        except (ValueError, RecursionError):
             return v
+        # JSON text escaping half of a surrogate pair stays the text it is (which UTF-8 holds)
+        return v if "\\u" in v and lone_surrogate(parsed) is not None else parsed
     return v
 
 
@@ -577,7 +612,8 @@ def _legacy_message(m: Any, role: str) -> dict[str, Any]:
         parts.extend({"type": "text", "content": c["text"]} for c in content)
     elif content is not None:
         parts.append({"type": "text", "content": json.dumps(content, ensure_ascii=False)})
-    for tc in m.get("tool_calls") or []:
+    calls = m.get("tool_calls")
+    for tc in calls if isinstance(calls, list) else []:
         if isinstance(tc, dict):
             fn: dict[str, Any] = tc["function"] if isinstance(tc.get("function"), dict) else {}
             parts.append({"type": "tool_call", "id": tc.get("id"), "name": fn.get("name"),
@@ -902,12 +938,12 @@ def _tokens(a: dict[str, Any], keys: tuple[str, ...], s: _Span) -> int | None:
         v = a.get(k)
         if v is None:
             continue
-        if isinstance(v, str) and v.strip().isdigit():
+        if isinstance(v, str) and v.strip().isascii() and v.strip().isdigit():
             v = int(v)
         if isinstance(v, float) and v.is_integer():
             v = int(v)
-        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-            raise ImportFormatError(f"{s.where}: {k} must be a whole number >= 0, got {v!r}")
+        if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= INT64_MAX:
+            raise ImportFormatError(f"{s.where}: {k} must be a whole number >= 0 (below 2**63), got {_short(v)}")
         return v
     return None
 
