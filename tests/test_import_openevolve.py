@@ -20,7 +20,9 @@ from trellisdb.errors import ImportFormatError, ValidationError
 from trellisdb.importers import import_run
 from trellisdb.importers import openevolve as oe
 
-RUN = Path(__file__).resolve().parents[2] / "shared" / "data" / "openevolve-circle-packing"
+from .shared import shared_data
+
+RUN = shared_data("openevolve-circle-packing")
 CKPTS = RUN / "checkpoints"
 shared = pytest.mark.skipif(not CKPTS.is_dir(), reason=f"the shared OpenEvolve run is not at {RUN} (../shared/data)")
 

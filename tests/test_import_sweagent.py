@@ -22,7 +22,9 @@ from trellisdb.errors import ImportFormatError
 from trellisdb.importers import import_run
 from trellisdb.importers.sweagent import _split_history
 
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "swe-agent-trajectories"
+from .shared import shared_data
+
+DATA = shared_data("swe-agent-trajectories")
 pytestmark = pytest.mark.skipif(not DATA.is_dir(), reason=f"the SWE-agent trajectories are not at {DATA}")
 
 FILES = sorted(DATA.rglob("*.traj")) if DATA.is_dir() else []

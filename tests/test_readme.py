@@ -10,6 +10,8 @@ import pytest
 
 import trellisdb
 
+from .shared import shared_data
+
 README = Path(__file__).resolve().parents[1] / "README.md"
 
 
@@ -80,7 +82,7 @@ def test_training_data_example(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
     db.close()
 
 
-SHARED = Path(__file__).resolve().parents[2] / "shared" / "data" / "openevolve-circle-packing"
+SHARED = shared_data("openevolve-circle-packing")
 
 
 @pytest.mark.skipif(not SHARED.is_dir(), reason=f"the shared OpenEvolve run is not at {SHARED}")
