@@ -52,7 +52,7 @@ from trellisdb.rules import commit_meta
 from trellisdb.schema import DATA_TABLES
 from trellisdb.snapshot import Reads
 from trellisdb.storage.tables import PRUNE_GRACE
-from trellisdb.storage.wal import Frame, Payload, rows_table
+from trellisdb.storage.wal import Frame, Payload, WalView, rows_table
 from trellisdb.store import Store
 
 log = logging.getLogger("trellisdb")
@@ -100,6 +100,17 @@ def _no_tables() -> set[str]:
 
 def _nothing(data: Mapping[str, pa.Table]) -> None:
     return None
+
+
+def _frames_since(wal: WalView, upto: int) -> dict[int, Frame]:
+    """The WAL's frames of commits above ``upto``, by id (read from the newest back)."""
+    out: dict[int, Frame] = {}
+    frames = wal.frames
+    for k in range(len(frames) - 1, -1, -1):
+        if frames[k].id <= upto:
+            break
+        out[frames[k].id] = frames[k]
+    return out
 
 
 def _has_vectors(extra: Mapping[str, pa.Table] | None) -> bool:
@@ -726,13 +737,7 @@ class Committer:
             others = [i for i in range(self._fp_upto + 1, last + 1) if i in st.commits and i not in self._fp_own]
             wal = st.wal
             # other writers' small commits still in the WAL: their hashes are in memory already
-            in_wal: dict[int, Frame] = {}
-            if others and others[0] > wal.upto:
-                frames = wal.frames
-                for k in range(len(frames) - 1, -1, -1):  # the newest frames, back to the last look
-                    if frames[k].id <= self._fp_upto:
-                        break
-                    in_wal[frames[k].id] = frames[k]
+            in_wal = _frames_since(wal, self._fp_upto) if others and others[0] > wal.upto else {}
             if all(i in in_wal for i in others):
                 self._fingerprints.add_hashes(h for i in others for h in in_wal[i].values("artifacts", "hash"))
                 since = None
@@ -761,13 +766,7 @@ class Committer:
         if self._nfp_upto >= 0:
             new = [i for i in range(self._nfp_upto + 1, last + 1) if i in st.commits]
             wal = st.wal
-            in_wal: dict[int, Frame] = {}
-            if new and new[0] > wal.upto:
-                frames = wal.frames
-                for k in range(len(frames) - 1, -1, -1):  # the newest frames, back to the last look
-                    if frames[k].id <= self._nfp_upto:
-                        break
-                    in_wal[frames[k].id] = frames[k]
+            in_wal = _frames_since(wal, self._nfp_upto) if new and new[0] > wal.upto else {}
             if all(i in in_wal for i in new):
                 self._node_fps.add_hashes(id_hash(v) for i in new for v in in_wal[i].values("nodes", "id"))
                 since = None
