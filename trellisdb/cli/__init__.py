@@ -3,7 +3,7 @@
 trellis [--db PATH] [--read-only] [--export-root DIR] init | log | sql TEXT | query TQL | explain TQL
     | tag NAME [--move] | untag NAME | compact | verify | repair | demo
     | views | create-view NAME KIND -o K=V ... | materialize NAME | refresh NAME | export NAME PATH
-    | import FORMAT PATH
+    | import FORMAT PATH | serve [--host H] [--port P] [--token T]
 
 `output` prints the rows (the demo prints through it too); `demo` is `trellis demo`, imported
 when that command runs.
@@ -118,6 +118,11 @@ def build_parser() -> argparse.ArgumentParser:
                      help="prefix of the tags an import writes (openevolve, jsonl; the other formats write no tags)")
     imp.add_argument("--session", default=None, help="session id for the run (openevolve; default from the run folder)")
     imp.add_argument("--no-progress", action="store_true", help="no progress bar")
+    srv = sub.add_parser("serve", help="serve the database over HTTP (needs the server extra)")
+    srv.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    srv.add_argument("--port", type=int, default=7437, help="port (default 7437)")
+    srv.add_argument("--token", default=os.environ.get("TRELLIS_TOKEN"),
+                     help="require 'Authorization: Bearer TOKEN' on every request (default $TRELLIS_TOKEN)")
     demo = sub.add_parser("demo", help="run a small simulated search into the database")
     demo.add_argument("--sessions", type=int, default=3)
     demo.add_argument("--steps", type=int, default=12)
@@ -137,11 +142,20 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _run(args: argparse.Namespace, path: str) -> int:
     from trellisdb.database import connect
 
-    if args.read_only and args.command in ("init", "demo", "import"):
+    if args.read_only and args.command in ("init", "demo", "import", "serve"):
         raise TrellisError(f"`trellis {args.command}` writes the database; drop --read-only")
     if args.command == "init":
         db = connect(path, embedding_dim=args.embedding_dim)
         print(f"initialized {path} (embedding dimension {db.embedding_dim})")
+        return 0
+    if args.command == "serve":
+        try:
+            from trellisdb.server import serve
+        except ImportError as missing:
+            raise TrellisError(f"`trellis serve` needs the server extra: pip install 'trellisdb[server]' "
+                               f"({missing})") from missing
+        print(f"serving {path} on http://{args.host}:{args.port}", file=sys.stderr, flush=True)
+        serve(path, host=args.host, port=args.port, token=args.token)
         return 0
     if args.command == "import":
         from trellisdb.importers import import_run

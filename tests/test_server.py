@@ -1,0 +1,130 @@
+"""``trellis serve`` (issue 25, first slice): a real server process, real HTTP, the client.
+
+Many clients' steps are group-committed together and each returns once durable; queries and
+SQL come back as Arrow; bad input, a bad token and an oversized body are clear 4xx errors that
+leave the server serving the others."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+
+import trellisdb
+from trellisdb.client import RemoteDatabase, RemoteError
+
+TOKEN = "s3cret-token"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
+    path = tmp_path_factory.mktemp("srv") / "db"
+    port = _free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "trellisdb.cli", "--db", str(path), "serve", "--port", str(port), "--token", TOKEN],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            if httpx.get(f"{url}/v1/health", headers={"authorization": f"Bearer {TOKEN}"}).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        if proc.poll() is not None or time.monotonic() > deadline:
+            _, err = proc.communicate(timeout=5)
+            pytest.fail(f"the server did not start: {err.decode()[-2000:]}")
+        time.sleep(0.1)
+    try:
+        yield url, path
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def test_steps_from_many_clients_share_commits_and_are_durable(server: tuple[str, Path]) -> None:
+    url, _ = server
+
+    def agent(i: int) -> list[dict[str, object]]:
+        with RemoteDatabase(url, token=TOKEN) as db:
+            out, parent = [], None
+            for k in range(5):
+                r = db.record_step(session=f"agent-{i}", task="t", agent="a", summary=f"a{i} step {k}",
+                                   parents=[parent] if parent else [], rewards={"score": k / 10},
+                                   artifacts={"code": f"print({i}, {k})"}, attrs={"agent": i})
+                out.append(r)
+                parent = r["id"]
+            return out
+
+    with ThreadPoolExecutor(8) as pool:
+        results = [r for rs in pool.map(agent, range(8)) for r in rs]
+    assert len({r["id"] for r in results}) == 40
+    with RemoteDatabase(url, token=TOKEN) as db:
+        for r in results:  # each step is visible as of the commit its call returned
+            assert db.sql("SELECT count(*) AS n FROM nodes WHERE id = $1", as_of=r["commit"],
+                          params=[r["id"]]).to_pylist() == [{"n": 1}]
+        got = db.query("NODES GROUP BY session_id ORDER BY session_id RETURN session_id, count(*) AS n").to_pylist()
+        assert got == [{"session_id": f"agent-{i}", "n": 5} for i in range(8)]
+        best = db.query("FRONTIER WHERE attr('agent') = 3 RANK BY reward('score') DESC LIMIT 1 RETURN id").to_pylist()
+        assert best == [{"id": results[3 * 5 + 4]["id"]}]
+        assert db.sql("SELECT count(*) AS n FROM rewards").to_pylist() == [{"n": 40}]
+        # the log says each call's commit held its step: fewer commits than steps when clients overlap
+        log = db.log()
+        assert sum(c["rows"] for c in log) >= 40 * 5 and len(log) <= 40 + 9
+
+
+def test_a_step_returns_only_once_durable(server: tuple[str, Path]) -> None:
+    url, path = server
+    with RemoteDatabase(url, token=TOKEN) as db:
+        r = db.record_step(session="durable", task="t", id="d1", summary="kept")
+    # another process reads the folder: the acknowledged step is there
+    out = subprocess.run(
+        [sys.executable, "-c", f"import trellisdb; db = trellisdb.connect({str(path)!r}, read_only=True); "
+         "print(db.sql(\"SELECT id FROM nodes WHERE id = 'd1'\").to_pylist())"],
+        capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "'d1'" in out.stdout and r["id"] == "d1"
+
+
+def test_errors_are_clear_and_the_server_keeps_serving(server: tuple[str, Path]) -> None:
+    url, _ = server
+    with RemoteDatabase(url, token=TOKEN) as db:
+        with pytest.raises(trellisdb.QuerySyntaxError, match="FRONTEIR"):
+            db.query("FRONTEIR LIMIT 3")
+        with pytest.raises(trellisdb.QueryError, match="read-only"):
+            db.sql("DELETE FROM nodes")
+        with pytest.raises(trellisdb.UnknownParentError, match="ghost"):
+            db.record_step(session="e", task="t", parents=["ghost"])
+        with pytest.raises(trellisdb.ValidationError, match="unknown field"):
+            db.record_step(session="e", task="t", colour="red")
+    with RemoteDatabase(url, token="wrong") as bad, pytest.raises(RemoteError, match="Bearer"):
+        bad.health()
+    h = {"authorization": f"Bearer {TOKEN}"}
+    r = httpx.post(f"{url}/v1/query", content=b"{not json", headers=h)
+    assert r.status_code == 400 and r.json()["error"] == "MalformedBody"
+    r = httpx.post(f"{url}/v1/steps", content=b"x" * (17 << 20), headers=h)
+    assert r.status_code == 413
+    r = httpx.post(f"{url}/v1/query", json=["a list"], headers=h)
+    assert r.status_code == 400
+    with RemoteDatabase(url, token=TOKEN) as db:  # still serving
+        assert db.health()["ok"] is True
+
+
+def test_an_unreachable_server_is_a_clear_error() -> None:
+    with RemoteDatabase(f"http://127.0.0.1:{_free_port()}") as db, pytest.raises(RemoteError, match="trellis serve"):
+        db.health()
