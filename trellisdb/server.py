@@ -11,10 +11,11 @@ Endpoints (JSON bodies; results as JSON, or as an Arrow IPC stream with ``"forma
 - ``GET /v1/log``: the commits.
 
 Writes from every client are group-committed together: a step is staged in the group batch and
-the call then flushes; a flush commits whatever every client staged meanwhile, and one that
-finds the batch empty returns once the flush that took its writes has finished (flushes hold the
-committer's state lock), so each call returns when its own writes are durable and concurrent
-steps share commits.
+takes a ticket; one committer thread flushes, ``window`` seconds after the first step it has
+not flushed yet (more steps join meanwhile), and wakes the calls whose tickets the flush covered
+(everything staged before it started). So each call returns when its own writes are durable and
+concurrent steps share one fsync. A failed flush is raised to the calls it covered (their
+writes stay pending in the committer, which retries them).
 
 Requests larger than ``max_body`` bytes are refused (413) before they are read whole; errors are
 JSON ``{"error": <class>, "message": ...}`` with 400 (bad input), 401 (token), 403 (read-only),
@@ -28,12 +29,14 @@ import hmac
 import io
 import json
 import threading
+import time
 from collections.abc import Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 
 from trellisdb.errors import (
+    CommitError,
     CorruptionError,
     QueryError,
     ReadOnlyError,
@@ -53,6 +56,8 @@ if TYPE_CHECKING:
 
 #: The largest request body accepted by default (a step with its artifacts; bulk data goes through ingest).
 MAX_BODY = 16 << 20
+#: Seconds the server's committer waits after the first unflushed step, for others to join its commit.
+WINDOW = 0.002
 #: Media type of an Arrow IPC stream.
 ARROW_STREAM = "application/vnd.apache.arrow.stream"
 
@@ -78,10 +83,59 @@ def _status(e: TrellisError) -> int:
 class Service:
     """What the endpoints do, on one open database (no HTTP here: testable in-process)."""
 
-    def __init__(self, db: Database) -> None:
+    def __init__(self, db: Database, *, window: float = WINDOW) -> None:
         self.db = db
+        self.window = window
         self._writers: dict[str, SessionWriter] = {}
         self._lock = threading.Lock()
+        # group commit: tickets staged, tickets durable (or failed), the committer thread
+        self._stage = threading.Lock()
+        self._done = threading.Condition()
+        self._staged = 0
+        self._durable = 0
+        self._commit = 0
+        self._failed: tuple[int, BaseException] | None = None
+        self._wake = threading.Event()
+        self._closed = False
+        self._thread = threading.Thread(target=self._commit_loop, name="trellisdb-server-commit", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        self._closed = True
+        self._wake.set()
+        self._thread.join()
+
+    def _commit_loop(self) -> None:
+        while not self._closed:
+            self._wake.wait()
+            if self._closed:
+                return
+            time.sleep(self.window)  # let the steps arriving meanwhile join this commit
+            self._wake.clear()
+            with self._stage:
+                upto = self._staged  # every ticket up to here is staged: the flush takes it
+            try:
+                commit = self.db.flush() or self.db.snapshot().commit
+                failed: tuple[int, BaseException] | None = None
+            except BaseException as e:  # told to the calls it covered
+                failed = (upto, e)
+            with self._done:
+                if failed is None:
+                    self._durable, self._commit = upto, commit
+                else:
+                    self._failed = failed
+                self._done.notify_all()
+
+    def _wait_durable(self, ticket: int) -> int:
+        """Block until the flush covering ``ticket`` is done; its commit id (or its error)."""
+        self._wake.set()
+        with self._done:
+            while self._durable < ticket:
+                if self._failed is not None and self._failed[0] >= ticket:
+                    raise CommitError(f"the group commit holding this step failed: {self._failed[1]}; the "
+                                      "step is kept and retried by the server") from self._failed[1]
+                self._done.wait()
+            return self._commit
 
     def health(self) -> dict[str, Any]:
         return {"ok": True, "commit": self.db.snapshot().commit}
@@ -122,13 +176,13 @@ class Service:
         if unknown:
             raise ValidationError(f"node has unknown field(s) {unknown}; fields: {', '.join(sorted(allowed))}")
         w = self.writer(body)
-        node_id = w.add_node(**node)
-        for channel, value in rewards.items():
-            w.add_reward(node_id, channel, value)
-        commit = self.db.flush()  # this step and every other client's staged meanwhile
-        if commit is None:  # another call's flush took it, and has finished: it is in the log
-            commit = self.health()["commit"]
-        return {"id": node_id, "commit": commit}
+        with self._stage:  # staged, then ticketed: a ticket below a flush's mark is in that flush
+            node_id = w.add_node(**node)
+            for channel, value in rewards.items():
+                w.add_reward(node_id, channel, value)
+            self._staged += 1
+            ticket = self._staged
+        return {"id": node_id, "commit": self._wait_durable(ticket)}
 
     def log(self) -> list[dict[str, Any]]:
         return [{**c, "time": c["time"].isoformat() if c.get("time") is not None else None} for c in self.db.log()]
