@@ -123,6 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--port", type=int, default=7437, help="port (default 7437)")
     srv.add_argument("--token", default=os.environ.get("TRELLIS_TOKEN"),
                      help="require 'Authorization: Bearer TOKEN' on every request (default $TRELLIS_TOKEN)")
+    sub.add_parser("mcp", help="serve the database to an agent over MCP on stdio (needs the server extra)")
     demo = sub.add_parser("demo", help="run a small simulated search into the database")
     demo.add_argument("--sessions", type=int, default=3)
     demo.add_argument("--steps", type=int, default=12)
@@ -142,11 +143,19 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _run(args: argparse.Namespace, path: str) -> int:
     from trellisdb.database import connect
 
-    if args.read_only and args.command in ("init", "demo", "import", "serve"):
+    if args.read_only and args.command in ("init", "demo", "import", "serve", "mcp"):
         raise TrellisError(f"`trellis {args.command}` writes the database; drop --read-only")
     if args.command == "init":
         db = connect(path, embedding_dim=args.embedding_dim)
         print(f"initialized {path} (embedding dimension {db.embedding_dim})")
+        return 0
+    if args.command == "mcp":
+        try:
+            from trellisdb.mcp_server import serve_stdio
+        except ImportError as missing:
+            raise TrellisError(f"`trellis mcp` needs the server extra: pip install 'trellisdb[server]' "
+                               f"({missing})") from missing
+        serve_stdio(path)
         return 0
     if args.command == "serve":
         try:
