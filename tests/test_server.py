@@ -128,3 +128,67 @@ def test_errors_are_clear_and_the_server_keeps_serving(server: tuple[str, Path])
 def test_an_unreachable_server_is_a_clear_error() -> None:
     with RemoteDatabase(f"http://127.0.0.1:{_free_port()}") as db, pytest.raises(RemoteError, match="trellis serve"):
         db.health()
+
+
+def _start(path: Path, port: int) -> subprocess.Popen[bytes]:
+    proc = subprocess.Popen([sys.executable, "-m", "trellisdb.cli", "--db", str(path), "serve", "--port", str(port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/v1/health").status_code == 200:
+                return proc
+        except httpx.HTTPError:
+            pass
+        if proc.poll() is not None or time.monotonic() > deadline:
+            pytest.fail(f"the server did not start: {proc.communicate(timeout=5)[1].decode()[-2000:]}")
+        time.sleep(0.05)
+
+
+def test_kill_9_under_load_loses_nothing_acknowledged(tmp_path: Path) -> None:
+    """Agents write steps with their own ids while the server is SIGKILLed: every acknowledged
+    step survives the restart, a retry of an unacknowledged one (same id) is idempotent, and the
+    store verifies clean."""
+    path, port = tmp_path / "db", _free_port()
+    proc = _start(path, port)
+    url = f"http://127.0.0.1:{port}"
+    acked: dict[str, int] = {}
+    lost: list[tuple[int, int]] = []
+
+    def agent(i: int) -> None:
+        with RemoteDatabase(url, timeout=10) as db:
+            for k in range(200):
+                try:
+                    r = db.record_step(session=f"a{i}", task="t", id=f"a{i}-{k}", summary=f"step {k}",
+                                       rewards={"score": k / 200})
+                    acked[r["id"]] = r["commit"]
+                except (RemoteError, trellisdb.TrellisError):
+                    lost.append((i, k))
+                    return
+
+    with ThreadPoolExecutor(4) as pool:
+        futures = [pool.submit(agent, i) for i in range(4)]
+        deadline = time.monotonic() + 30
+        while len(acked) < 40 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        proc.kill()  # SIGKILL, mid-load
+        proc.wait(timeout=30)
+        for f in futures:
+            f.result()
+    assert len(acked) >= 40 and lost, "the kill should have cut some agents off mid-step"
+    proc = _start(path, port)
+    try:
+        with RemoteDatabase(url) as db:
+            have = {r["id"] for r in db.sql("SELECT id FROM nodes").to_pylist()}
+            assert set(acked) <= have  # nothing acknowledged is lost
+            for i, k in lost:  # the agents retry the step they lost, with its id
+                r = db.record_step(session=f"a{i}", task="t", id=f"a{i}-{k}", summary=f"step {k}",
+                                   rewards={"score": k / 200})
+                assert r["id"] == f"a{i}-{k}"
+            n = db.sql("SELECT count(*) AS n, count(DISTINCT id) AS d FROM nodes_history").to_pylist()[0]
+            assert n["n"] == n["d"]  # no step written twice
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    with trellisdb.connect(path) as db:
+        assert db.verify() == []
