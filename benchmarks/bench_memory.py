@@ -36,9 +36,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 import numpy as np  # noqa: E402
-import pyarrow as pa  # noqa: E402
 import pyarrow.parquet as pq  # noqa: E402
-from generator import ExperienceGraph, GeneratorConfig  # noqa: E402
+from generator import ExperienceGraph, GeneratorConfig, as_stored  # noqa: E402
 
 import trellisdb  # noqa: E402
 
@@ -131,10 +130,7 @@ def build(work: str, nodes: int) -> str:
         t = g.chunk(a, b)
         cid = db.ingest(t, message=f"nodes {a}..")
         for name in ("nodes", "edges", "rewards"):
-            tab = t[name].drop_columns([c for c in ("embedding", "commit_id") if c in t[name].column_names])
-            tab = tab.append_column("commit_id", pa.array([cid] * tab.num_rows, pa.int64()))
-            if name == "nodes":  # the insertion order TQL breaks ties by (schema.SEQ_SQL), as a plain column
-                tab = tab.append_column("seq", pa.array([(cid << 32) + i for i in range(tab.num_rows)], pa.int64()))
+            tab = as_stored(name, t[name], cid)
             if name not in writers:
                 writers[name] = pq.ParquetWriter(os.path.join(work, f"{name}.parquet"), tab.schema)
             writers[name].write_table(tab)

@@ -49,7 +49,7 @@ import networkx as nx  # noqa: E402
 import pyarrow as pa  # noqa: E402
 import pyarrow.compute as pc  # noqa: E402
 import pyarrow.parquet as pq  # noqa: E402
-from generator import ExperienceGraph, GeneratorConfig  # noqa: E402
+from generator import ExperienceGraph, GeneratorConfig, as_stored  # noqa: E402
 
 import trellisdb  # noqa: E402
 from trellisdb.tql.compile import compile_plan  # noqa: E402
@@ -91,11 +91,7 @@ def build_store(work: str, g: ExperienceGraph, chunk: int) -> tuple[trellisdb.Da
         cid = db.ingest(t, message=f"nodes {a}..")
         first_commit = first_commit or cid
         for name, tab in t.items():
-            # the same rows as the store holds: commit_id stamped, the (unqueried) embedding left out
-            tab = tab.drop_columns([c for c in ("embedding", "commit_id") if c in tab.column_names])
-            tab = tab.append_column("commit_id", pa.array([cid] * tab.num_rows, pa.int64()))
-            if name == "nodes":  # the insertion order TQL breaks ties by (schema.SEQ_SQL), as a plain column
-                tab = tab.append_column("seq", pa.array([(cid << 32) + i for i in range(tab.num_rows)], pa.int64()))
+            tab = as_stored(name, tab, cid)  # the same rows as the store holds
             if name not in writers:
                 writers[name] = pq.ParquetWriter(os.path.join(pdir, f"{name}.parquet"), tab.schema)
             writers[name].write_table(tab)

@@ -312,6 +312,17 @@ def _ts(micros: np.ndarray) -> pa.Array:
 SYSTEM_COLUMNS = {"born", "ordinal"}
 
 
+def as_stored(name: str, tab: pa.Table, commit_id: int) -> pa.Table:
+    """An ingested table as the store holds it, for a baseline that reads the same rows: the
+    (unqueried) embedding left out, ``commit_id`` stamped, and for nodes the insertion order TQL
+    breaks ties by (``schema.SEQ_SQL``) as a plain ``seq`` column."""
+    tab = tab.drop_columns([c for c in ("embedding", "commit_id") if c in tab.column_names])
+    tab = tab.append_column("commit_id", pa.array([commit_id] * tab.num_rows, pa.int64()))
+    if name == "nodes":
+        tab = tab.append_column("seq", pa.array([(commit_id << 32) + i for i in range(tab.num_rows)], pa.int64()))
+    return tab
+
+
 def _table(name: str, dim: int, cols: dict[str, Any], n: int) -> pa.Table:
     full = table_schema(name, dim)
     sch = pa.schema([f for f in full if f.name not in SYSTEM_COLUMNS])

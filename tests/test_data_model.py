@@ -391,3 +391,15 @@ def test_an_ingest_commits_pending_writes_first_and_never_reuses_their_ids(db: t
     db.ingest({"nodes": pa.table({"id": ["child"], "session_id": ["s"], "task_id": ["t"]}),
                "edges": pa.table({"src": ["pending"], "dst": ["child"], "kind": ["derived_from"]})})
     assert rows(db, "SELECT id FROM nodes ORDER BY seq") == [{"id": "pending"}, {"id": "child"}]
+
+
+@pytest.mark.parametrize("hostile", ["x') OR 1=1 --", "k'; DROP TABLE nodes; --", "é'\"\\", "$param"])
+def test_attribute_keys_and_labels_reach_sql_only_as_values(db: trellisdb.Database, hostile: str) -> None:
+    """Keys and labels are an agent's names: written and queried as values, never SQL text."""
+    with db.session(task="t", id="s") as s:
+        s.add_node(id="n", attrs={hostile: 1, "plain": 2}, labels=[hostile])
+        s.add_node(id="m", attrs={"plain": 3})
+    lit = "'" + hostile.replace("'", "''") + "'"
+    assert db.query(f"NODES WHERE attr({lit}) = 1 AND has_label({lit}) RETURN id").to_pylist() == [{"id": "n"}]
+    assert db.query("NODES WHERE has_label($l) RETURN id", l=hostile).to_pylist() == [{"id": "n"}]
+    assert db.sql("SELECT count(*) AS n FROM nodes").to_pylist() == [{"n": 2}]  # nothing dropped

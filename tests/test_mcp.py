@@ -66,8 +66,13 @@ def test_errors_reach_the_agent_with_their_message(tmp_path: Path) -> None:
             ("record_step", {"session": "new", "summary": "x"}),
             ("record_step", {"session": "s", "task": "t", "summary": "x", "parents": ["ghost"]}),
             ("frontier", {"channel": "score", "k": 100000}),
+            ("record_step", {"session": "s", "task": "t", "id": "half", "summary": "x", "rewards": {"": 1.0}}),
+            ("retrieve", {"text": "x", "space": "minilm; DROP TABLE nodes"}),
         ])
         assert all(x.is_error for x in r)
+        assert "reward channel must not be empty" in r[4].content[0].text
+        db.flush()  # nothing of the refused step was staged either
+        assert db.sql("SELECT count(*) AS n FROM nodes_history WHERE id = 'half'").to_pylist() == [{"n": 0}]
         text = [x.content[0].text for x in r]
         assert "QuerySyntaxError" in text[0] and "FRONTEIR" in text[0]
         assert "give its task" in text[1]

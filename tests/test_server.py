@@ -112,6 +112,18 @@ def test_errors_are_clear_and_the_server_keeps_serving(server: tuple[str, Path])
             db.record_step(session="e", task="t", parents=["ghost"])
         with pytest.raises(trellisdb.ValidationError, match="unknown field"):
             db.record_step(session="e", task="t", colour="red")
+        # a step whose reward is bad writes nothing, not even its node (all or nothing)
+        with pytest.raises(trellisdb.ValidationError, match="JSON"):  # refused before it is sent
+            db.record_step(session="e", task="t", id="half", summary="x", rewards={"score": float("inf")})
+        r = httpx.post(f"{url}/v1/steps", headers={"authorization": f"Bearer {TOKEN}"},
+                       content=b'{"session": "e", "task": "t", "node": {"id": "half"}, "rewards": {"score": 1e400}}')
+        assert r.status_code == 400 and r.json()["error"] == "InvalidRewardError"
+        with pytest.raises(trellisdb.ValidationError, match="reward channel"):
+            db.record_step(session="e", task="t", id="half", summary="x", rewards={"": 1.0})
+        with pytest.raises(trellisdb.ValidationError, match=r"control character|session id"):
+            db.record_step(session="bad\x00id", task="t", summary="x")
+        assert db.record_step(session="e", task="t", id="whole", summary="x", rewards={"score": 1.0})["id"] == "whole"
+        assert db.sql("SELECT id FROM nodes_history WHERE id IN ('half', 'whole')").to_pylist() == [{"id": "whole"}]
     with RemoteDatabase(url, token="wrong") as bad, pytest.raises(RemoteError, match="Bearer"):
         bad.health()
     h = {"authorization": f"Bearer {TOKEN}"}

@@ -18,7 +18,7 @@ from typing import Any
 import pyarrow as pa
 
 from trellisdb import errors
-from trellisdb.errors import TrellisError
+from trellisdb.errors import TrellisError, ValidationError
 from trellisdb.result import Result
 
 
@@ -94,7 +94,11 @@ class RemoteDatabase:
         of ``task``; returns ``{"id", "commit"}`` once the step is durable."""
         body = {"session": session, "task": task, "agent": agent, "model": model, "node": node,
                 "rewards": rewards or {}}
-        json.dumps(body)  # a value JSON cannot carry fails here, naming nothing sent
+        try:
+            json.dumps(body, allow_nan=False)  # a value JSON cannot carry is refused here, nothing sent
+        except (TypeError, ValueError) as e:
+            raise ValidationError(f"the step holds a value JSON cannot carry ({e}); send finite numbers, "
+                                  "strings, lists and mappings") from None
         out: dict[str, Any] = self._call("POST", "/v1/steps", body)
         return out
 

@@ -25,6 +25,7 @@ from mcp.server.mcpserver.exceptions import ToolError
 from pydantic import Field  # the SDK reads the tools' annotations, so their names live at module level
 
 from trellisdb.errors import TrellisError
+from trellisdb.writer import reward_value
 
 if TYPE_CHECKING:
     from trellisdb.database import Database
@@ -122,6 +123,8 @@ def build_server(db: Database) -> MCPServer:
         """Record one step (a node, its parent edges, artifacts, rewards and attributes); returns
         its id once it is durable."""
         def step() -> dict[str, Any]:
+            for ch, v in (rewards or {}).items():  # all or nothing: a bad reward stages no node
+                reward_value(id or "(new node)", ch, v)
             w = writer(session, task)
             node_id = w.add_node(id=id, parents=parents or [], kind=kind, summary=summary, artifacts=artifacts,
                                  attrs=attrs, action=action, state=state)

@@ -19,7 +19,7 @@ writes stay pending in the committer, which retries them).
 
 Requests larger than ``max_body`` bytes are refused (413) before they are read whole; errors are
 JSON ``{"error": <class>, "message": ...}`` with 400 (bad input), 401 (token), 403 (read-only),
-404 (unknown route), 413, 500. With a ``token``, every request must carry ``Authorization:
+413, 500 (a damaged store, a bug). With a ``token``, every request must carry ``Authorization:
 Bearer <token>``. Tenants, roles and MCP come next (issue 25).
 """
 
@@ -35,16 +35,8 @@ from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 
-from trellisdb.errors import (
-    CommitError,
-    CorruptionError,
-    QueryError,
-    ReadOnlyError,
-    TrellisError,
-    UnknownNodeError,
-    UnknownSessionError,
-    ValidationError,
-)
+from trellisdb.errors import CommitError, CorruptionError, ReadOnlyError, TrellisError, ValidationError
+from trellisdb.writer import reward_value
 
 if TYPE_CHECKING:
     from starlette.applications import Starlette
@@ -71,13 +63,10 @@ class HttpError(Exception):
 
 
 def _status(e: TrellisError) -> int:
+    """A refusal is the caller's to mend (400), a read-only store 403, damage the server's (500)."""
     if isinstance(e, ReadOnlyError):
         return 403
-    if isinstance(e, CorruptionError):
-        return 500
-    if isinstance(e, QueryError | ValidationError):
-        return 400
-    return 400 if not isinstance(e, UnknownNodeError | UnknownSessionError) else 404
+    return 500 if isinstance(e, CorruptionError) else 400
 
 
 class Service:
@@ -175,6 +164,8 @@ class Service:
         unknown = sorted(set(node) - allowed)
         if unknown:
             raise ValidationError(f"node has unknown field(s) {unknown}; fields: {', '.join(sorted(allowed))}")
+        for channel, value in rewards.items():  # all or nothing: a bad reward stages no node
+            reward_value(str(node.get("id") or "(new node)"), channel, value)
         w = self.writer(body)
         with self._stage:  # staged, then ticketed: a ticket below a flush's mark is in that flush
             node_id = w.add_node(**node)
@@ -226,7 +217,9 @@ def _json_rows(t: pa.Table) -> str:
 
 
 async def _body(request: Request, limit: int) -> dict[str, Any]:
-    """The JSON object of a request, refused past ``limit`` bytes without reading the rest."""
+    """The JSON object of a request, refused past ``limit`` bytes without reading the rest.
+    (Starlette's own ``max_body_size`` answers a too-large declared length in plain text, before
+    any handler: the JSON error, with the limit, needs this check.)"""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise HttpError(413, "PayloadTooLarge", f"the request is {int(declared):,} bytes; at most {limit:,} are read")

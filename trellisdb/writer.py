@@ -296,15 +296,7 @@ class SessionWriter:
         """Record a reward; a later reward on the same (node, channel) supersedes it (``at``: its
         event time, e.g. when the evaluation finished)."""
         check_name(node_id, "node id")
-        check_name(channel, "reward channel")
-        if isinstance(value, bool) or not isinstance(value, numbers.Real):
-            raise REWARD_NOT_A_NUMBER.call(channel=channel, node_id=node_id, type=type(value).__name__, value=value)
-        try:
-            v = float(value)
-        except OverflowError:
-            v = math.inf
-        if not math.isfinite(v):
-            raise REWARD_NOT_FINITE.call(channel=channel, node_id=node_id, value=v)
+        v = reward_value(node_id, channel, value)
         check_name(verifier, "verifier", optional=True)
         check_name(verifier_version, "verifier_version", optional=True)
         when = event_time(at)
@@ -410,6 +402,21 @@ def _node_difference(
     if old_parents != parents:
         return f"parents ({sorted(old_parents)}, not {sorted(parents)})"
     return None
+
+
+def reward_value(node_id: str, channel: object, value: object) -> float:
+    """A reward's channel and value checked (a name; a finite number, not a boolean): the value
+    as stored. Whole-step calls check their rewards with it before they stage the node."""
+    check_name(channel, "reward channel")
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise REWARD_NOT_A_NUMBER.call(channel=channel, node_id=node_id, type=type(value).__name__, value=value)
+    try:
+        v = float(value)
+    except OverflowError:
+        v = math.inf
+    if not math.isfinite(v):
+        raise REWARD_NOT_FINITE.call(channel=channel, node_id=node_id, value=v)
+    return v
 
 
 # ------------------------------------------------------- sessions and tasks

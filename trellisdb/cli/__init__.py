@@ -54,6 +54,16 @@ def _opt(text: str) -> tuple[str, Any]:
         return name, raw
 
 
+def _server_extra(command: str) -> None:
+    """Refuse ``trellis <command>`` clearly when the server extra is not installed."""
+    import importlib.util
+
+    missing = [m for m in ("starlette", "uvicorn", "mcp") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise TrellisError(f"`trellis {command}` needs the server extra ({', '.join(missing)} not installed): "
+                           "pip install 'trellisdb[server]'")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="trellis", description="trellisdb: experience-graph database")
     p.add_argument("--db", default=None, help="database folder (default: $TRELLIS_DB or ./trellis.db)")
@@ -150,19 +160,15 @@ def _run(args: argparse.Namespace, path: str) -> int:
         print(f"initialized {path} (embedding dimension {db.embedding_dim})")
         return 0
     if args.command == "mcp":
-        try:
-            from trellisdb.mcp_server import serve_stdio
-        except ImportError as missing:
-            raise TrellisError(f"`trellis mcp` needs the server extra: pip install 'trellisdb[server]' "
-                               f"({missing})") from missing
+        _server_extra("mcp")
+        from trellisdb.mcp_server import serve_stdio
+
         serve_stdio(path)
         return 0
     if args.command == "serve":
-        try:
-            from trellisdb.server import serve
-        except ImportError as missing:
-            raise TrellisError(f"`trellis serve` needs the server extra: pip install 'trellisdb[server]' "
-                               f"({missing})") from missing
+        _server_extra("serve")
+        from trellisdb.server import serve
+
         print(f"serving {path} on http://{args.host}:{args.port}", file=sys.stderr, flush=True)
         serve(path, host=args.host, port=args.port, token=args.token)
         return 0
