@@ -6,14 +6,13 @@ leave the server serving the others."""
 
 from __future__ import annotations
 
-import os
-import socket
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -21,40 +20,20 @@ import pytest
 import trellisdb
 from trellisdb.client import RemoteDatabase, RemoteError
 
+from .serving import free_port, start, stop
+
 TOKEN = "s3cret-token"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
     path = tmp_path_factory.mktemp("srv") / "db"
-    port = _free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "trellisdb.cli", "--db", str(path), "serve", "--port", str(port), "--token", TOKEN],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            if httpx.get(f"{url}/v1/health", headers={"authorization": f"Bearer {TOKEN}"}).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        if proc.poll() is not None or time.monotonic() > deadline:
-            _, err = proc.communicate(timeout=5)
-            pytest.fail(f"the server did not start: {err.decode()[-2000:]}")
-        time.sleep(0.1)
+    port = free_port()
+    proc = start(path, port, TOKEN)
     try:
-        yield url, path
+        yield f"http://127.0.0.1:{port}", path
     finally:
-        proc.terminate()
-        proc.wait(timeout=30)
+        stop(proc)
 
 
 def test_steps_from_many_clients_share_commits_and_are_durable(server: tuple[str, Path]) -> None:
@@ -138,31 +117,16 @@ def test_errors_are_clear_and_the_server_keeps_serving(server: tuple[str, Path])
 
 
 def test_an_unreachable_server_is_a_clear_error() -> None:
-    with RemoteDatabase(f"http://127.0.0.1:{_free_port()}") as db, pytest.raises(RemoteError, match="trellis serve"):
+    with RemoteDatabase(f"http://127.0.0.1:{free_port()}") as db, pytest.raises(RemoteError, match="trellis serve"):
         db.health()
-
-
-def _start(path: Path, port: int) -> subprocess.Popen[bytes]:
-    proc = subprocess.Popen([sys.executable, "-m", "trellisdb.cli", "--db", str(path), "serve", "--port", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/v1/health").status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            pass
-        if proc.poll() is not None or time.monotonic() > deadline:
-            pytest.fail(f"the server did not start: {proc.communicate(timeout=5)[1].decode()[-2000:]}")
-        time.sleep(0.05)
 
 
 def test_kill_9_under_load_loses_nothing_acknowledged(tmp_path: Path) -> None:
     """Agents write steps with their own ids while the server is SIGKILLed: every acknowledged
     step survives the restart, a retry of an unacknowledged one (same id) is idempotent, and the
     store verifies clean."""
-    path, port = tmp_path / "db", _free_port()
-    proc = _start(path, port)
+    path, port = tmp_path / "db", free_port()
+    proc = start(path, port)
     url = f"http://127.0.0.1:{port}"
     acked: dict[str, int] = {}
     lost: list[tuple[int, int]] = []
@@ -188,7 +152,7 @@ def test_kill_9_under_load_loses_nothing_acknowledged(tmp_path: Path) -> None:
         for f in futures:
             f.result()
     assert len(acked) >= 40 and lost, "the kill should have cut some agents off mid-step"
-    proc = _start(path, port)
+    proc = start(path, port)
     try:
         with RemoteDatabase(url) as db:
             have = {r["id"] for r in db.sql("SELECT id FROM nodes").to_pylist()}
@@ -204,3 +168,35 @@ def test_kill_9_under_load_loses_nothing_acknowledged(tmp_path: Path) -> None:
         proc.wait(timeout=30)
     with trellisdb.connect(path) as db:
         assert db.verify() == []
+
+
+def test_an_mcp_agent_and_an_http_client_share_the_served_store(server: tuple[str, Path]) -> None:
+    """`trellis serve` answers MCP over streamable HTTP at /mcp (the SDK's own client), with the
+    same token; its steps land in the store the REST client reads."""
+    import anyio
+    import httpx2
+    from mcp import Client, MCPError
+    from mcp.client.streamable_http import streamable_http_client
+
+    url, _ = server
+
+    async def agent(token: str) -> list[Any]:
+        http = httpx2.AsyncClient(headers={"Authorization": f"Bearer {token}"}, timeout=httpx2.Timeout(30))
+        async with http, Client(streamable_http_client(f"{url}/mcp", http_client=http)) as c:
+            return [
+                await c.call_tool("record_step", {"session": "mcp-1", "task": "mcp-task", "summary": "via mcp",
+                                                  "id": "mcp-a", "rewards": {"score": 0.8}}),
+                await c.call_tool("query", {"tql": "NODES WHERE task_id = 'mcp-task' RETURN id, summary"}),
+            ]
+
+    step, rows = anyio.run(agent, TOKEN)
+    assert not step.is_error and step.structured_content["id"] == "mcp-a"
+    assert rows.structured_content["rows"] == [{"id": "mcp-a", "summary": "via mcp"}]
+    with RemoteDatabase(url, token=TOKEN) as db:  # durable as of the commit the tool returned
+        assert db.sql("SELECT value FROM rewards WHERE node_id = 'mcp-a'", as_of=step.structured_content["commit"]
+                      ).to_pylist() == [{"value": 0.8}]
+    with pytest.raises(ExceptionGroup) as refused:  # the SDK client cannot connect with a bad token
+        anyio.run(agent, "wrong-token")
+    assert refused.group_contains(MCPError, depth=None)
+    r = httpx.post(f"{url}/mcp", json={})
+    assert r.status_code == 401 and r.json()["error"] == "Unauthorized"

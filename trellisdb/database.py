@@ -20,6 +20,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import datetime as dt
+import inspect
 import os
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -46,10 +47,11 @@ from trellisdb.vectors.service import Vectors
 from trellisdb.writer import SessionWriter
 
 if TYPE_CHECKING:
+    from trellisdb.client import RemoteDatabase
     from trellisdb.embed import Embedder
     from trellisdb.tql.run import QueryResult
 
-__all__ = ["AsOf", "Database", "Transaction", "connect"]
+__all__ = ["AsOf", "Database", "Transaction", "connect", "open_local"]
 
 _open_dbs: weakref.WeakSet[Database] = weakref.WeakSet()
 
@@ -62,6 +64,56 @@ def _flush_all() -> None:  # a clean interpreter exit loses nothing pending
 
 
 def connect(
+    target: str | os.PathLike[str],
+    *,
+    token: str | None = None,
+    timeout: float = 60.0,
+    embedding_dim: int | None = None,
+    commit_delay: float = 0.05,
+    max_batch_rows: int = 10_000,
+    auto_compact: bool = True,
+    compact_fragments: int = 8,
+    create: bool = True,
+    mirror: bool = True,
+    auto_index: bool = True,
+    keep_memory: int | None = None,
+    read_only: bool = False,
+    export_root: str | os.PathLike[str] | None = None,
+) -> Database | RemoteDatabase:
+    """Open a database: a folder path (embedded; :func:`open_local` explains the options) or
+    the URL of a server (``http://host:port``, ``https://...``: ``trellis serve``) with its
+    ``token`` and a per-request ``timeout`` in seconds.
+
+    A served store's handle (``trellisdb.client.RemoteDatabase``) has the embedded handle's API
+    for writing (sessions, tasks, transactions, ``flush``, ``ingest``), reading (``query``,
+    ``sql``, ``log``, tags) and views, so a script moves between the two by changing this
+    string; the store's options are set where it is served.
+
+    >>> import tempfile, trellisdb
+    >>> db = trellisdb.connect(tempfile.mkdtemp() + "/db", embedding_dim=4)
+    >>> type(db).__name__
+    'Database'
+    """
+    local = {"embedding_dim": embedding_dim, "commit_delay": commit_delay, "max_batch_rows": max_batch_rows,
+             "auto_compact": auto_compact, "compact_fragments": compact_fragments, "create": create,
+             "mirror": mirror, "auto_index": auto_index, "keep_memory": keep_memory, "read_only": read_only,
+             "export_root": export_root}
+    if isinstance(target, str) and target.lower().startswith(("http://", "https://")):
+        given = sorted(k for k, v in local.items() if v != _LOCAL_DEFAULTS[k])
+        if given:
+            raise ValidationError(f"{', '.join(given)}: options of an embedded store; a served store is "
+                                  "configured where it is served (`trellis serve`)")
+        from trellisdb.client import RemoteDatabase
+
+        return RemoteDatabase(target, token=token, timeout=timeout)
+    if token is not None:
+        raise ValidationError("token is for a server's URL (http://...); an embedded store has none")
+    return open_local(target, embedding_dim=embedding_dim, commit_delay=commit_delay, max_batch_rows=max_batch_rows,
+                      auto_compact=auto_compact, compact_fragments=compact_fragments, create=create, mirror=mirror,
+                      auto_index=auto_index, keep_memory=keep_memory, read_only=read_only, export_root=export_root)
+
+
+def open_local(
     path: str | os.PathLike[str],
     *,
     embedding_dim: int | None = None,
@@ -134,6 +186,9 @@ def connect(
         read_only=read_only,
         export_root=export_root,
     )
+
+
+_LOCAL_DEFAULTS = {k: p.default for k, p in inspect.signature(open_local).parameters.items() if k != "path"}
 
 
 class Database:

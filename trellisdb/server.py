@@ -1,26 +1,32 @@
-"""``trellis serve``: one process owns the store and answers over HTTP (issue 25, first slice).
+"""``trellis serve``: one process owns the store and answers over HTTP; ``service.py`` does the
+work, this module carries it (routes, bodies, tokens, errors).
 
-Endpoints (JSON bodies; results as JSON, or as an Arrow IPC stream with ``"format": "arrow"``):
+Endpoints (JSON bodies, values wire-encoded as in ``trellisdb/wire.py``; JSON answers are
+``{"result": ...}``, rows come back as an Arrow IPC stream, or as JSON with ``"format": "json"``
+on ``/v1/query`` and ``/v1/sql``):
 
-- ``GET /v1/health``: ``{"ok": true, "commit": <latest commit>}``;
-- ``POST /v1/query`` ``{"tql": ..., "params": {...}, "format": "json" | "arrow"}``: a TQL query;
-- ``POST /v1/sql`` ``{"sql": ..., "params": [...] | {...}, "as_of": ..., "format": ...}``: read-only SQL;
-- ``POST /v1/steps`` ``{"session": id, "task": id, "agent": ..., "model": ..., "node": {add_node's
-  arguments}, "rewards": {channel: value}}``: a whole step in one call; returns ``{"id", "commit"}``
-  once it is durable (``commit``: a commit as of which the step is visible);
-- ``GET /v1/log``: the commits.
+- ``GET /v1/health``: ``{"result": {"ok": true, "commit": <latest commit>}}``; ``GET /v1/log``: the commits;
+- ``POST /v1/query`` ``{"tql", "params", "format"}``: TQL; ``POST /v1/sql`` ``{"sql", "params",
+  "as_of", "format"}``: read-only SQL;
+- ``POST /v1/steps`` ``{"session", "task", "agent", "model", "node": {add_node's arguments},
+  "rewards": {channel: value}}``: a whole step in one call, answered ``{"id", "commit"}`` once
+  durable (``commit``: a commit as of which the step is visible);
+- ``POST /v1/sessions`` ``{"kwargs": {Database.session's arguments}}``, ``/v1/sessions/resume``
+  ``{"session"}``, ``/v1/sessions/close`` ``{"session", "status"}``;
+- ``POST /v1/call`` ``{"method", "args", "kwargs", "session", "tx"}``: one method of the embedded
+  handle or of a session writer (``service.DB_CALLS``, ``service.SESSION_CALLS``);
+- ``POST /v1/flush`` ``{"meta"}``: every write so far durable; ``POST /v1/tx/begin`` ``{"message",
+  "meta", "timeout"}`` → ``{"tx"}``, ``/v1/tx/commit`` and ``/v1/tx/rollback`` ``{"tx"}``;
+- ``/mcp``: the MCP server (``trellisdb/mcp_server.py``) over streamable HTTP, same token.
 
-Writes from every client are group-committed together: a step is staged in the group batch and
-takes a ticket; one committer thread flushes, ``window`` seconds after the first step it has
-not flushed yet (more steps join meanwhile), and wakes the calls whose tickets the flush covered
-(everything staged before it started). So each call returns when its own writes are durable and
-concurrent steps share one fsync. A failed flush is raised to the calls it covered (their
-writes stay pending in the committer, which retries them).
+Writes from every client are group-committed together (``service.py``): a call that must be
+durable takes a ticket, one committer thread flushes a couple of milliseconds after the first
+ticket it has not covered, and each call returns once the flush covering it is done.
 
 Requests larger than ``max_body`` bytes are refused (413) before they are read whole; errors are
 JSON ``{"error": <class>, "message": ...}`` with 400 (bad input), 401 (token), 403 (read-only),
 413, 500 (a damaged store, a bug). With a ``token``, every request must carry ``Authorization:
-Bearer <token>``. Tenants, roles and MCP come next (issue 25).
+Bearer <token>``.
 """
 
 from __future__ import annotations
@@ -28,15 +34,15 @@ from __future__ import annotations
 import hmac
 import io
 import json
-import threading
-import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 
-from trellisdb.errors import CommitError, CorruptionError, ReadOnlyError, TrellisError, ValidationError
-from trellisdb.writer import reward_value
+from trellisdb import wire
+from trellisdb.errors import CorruptionError, ReadOnlyError, TrellisError, ValidationError
+from trellisdb.service import Service, result_table
 
 if TYPE_CHECKING:
     from starlette.applications import Starlette
@@ -44,12 +50,9 @@ if TYPE_CHECKING:
     from starlette.responses import Response
 
     from trellisdb.database import Database
-    from trellisdb.writer import SessionWriter
 
 #: The largest request body accepted by default (a step with its artifacts; bulk data goes through ingest).
 MAX_BODY = 16 << 20
-#: Seconds the server's committer waits after the first unflushed step, for others to join its commit.
-WINDOW = 0.002
 #: Media type of an Arrow IPC stream.
 ARROW_STREAM = "application/vnd.apache.arrow.stream"
 
@@ -69,125 +72,6 @@ def _status(e: TrellisError) -> int:
     return 500 if isinstance(e, CorruptionError) else 400
 
 
-class Service:
-    """What the endpoints do, on one open database (no HTTP here: testable in-process)."""
-
-    def __init__(self, db: Database, *, window: float = WINDOW) -> None:
-        self.db = db
-        self.window = window
-        self._writers: dict[str, SessionWriter] = {}
-        self._lock = threading.Lock()
-        # group commit: tickets staged, tickets durable (or failed), the committer thread
-        self._stage = threading.Lock()
-        self._done = threading.Condition()
-        self._staged = 0
-        self._durable = 0
-        self._commit = 0
-        self._failed: tuple[int, BaseException] | None = None
-        self._wake = threading.Event()
-        self._closed = False
-        self._thread = threading.Thread(target=self._commit_loop, name="trellisdb-server-commit", daemon=True)
-        self._thread.start()
-
-    def close(self) -> None:
-        self._closed = True
-        self._wake.set()
-        self._thread.join()
-
-    def _commit_loop(self) -> None:
-        while not self._closed:
-            self._wake.wait()
-            if self._closed:
-                return
-            time.sleep(self.window)  # let the steps arriving meanwhile join this commit
-            self._wake.clear()
-            with self._stage:
-                upto = self._staged  # every ticket up to here is staged: the flush takes it
-            try:
-                commit = self.db.flush() or self.db.snapshot().commit
-                failed: tuple[int, BaseException] | None = None
-            except BaseException as e:  # told to the calls it covered
-                failed = (upto, e)
-            with self._done:
-                if failed is None:
-                    self._durable, self._commit = upto, commit
-                else:
-                    self._failed = failed
-                self._done.notify_all()
-
-    def _wait_durable(self, ticket: int) -> int:
-        """Block until the flush covering ``ticket`` is done; its commit id (or its error)."""
-        self._wake.set()
-        with self._done:
-            while self._durable < ticket:
-                if self._failed is not None and self._failed[0] >= ticket:
-                    raise CommitError(f"the group commit holding this step failed: {self._failed[1]}; the "
-                                      "step is kept and retried by the server") from self._failed[1]
-                self._done.wait()
-            return self._commit
-
-    def health(self) -> dict[str, Any]:
-        return {"ok": True, "commit": self.db.snapshot().commit}
-
-    def query(self, body: Mapping[str, Any]) -> pa.Table:
-        text = _field(body, "tql", str)
-        params = _field(body, "params", dict, optional=True) or {}
-        return self.db.query(text, **params).to_arrow()
-
-    def sql(self, body: Mapping[str, Any]) -> pa.Table:
-        text = _field(body, "sql", str)
-        params = body.get("params")
-        if params is not None and not isinstance(params, list | dict):
-            raise ValidationError("params must be a list (for $1, $2...) or an object (for $name)")
-        as_of = body.get("as_of")
-        if as_of is not None and (isinstance(as_of, bool) or not isinstance(as_of, int | str)):
-            raise ValidationError("as_of must be a commit id, a tag or an ISO timestamp")
-        return self.db.sql(text, as_of=as_of, params=params).to_arrow()
-
-    def writer(self, body: Mapping[str, Any]) -> SessionWriter:
-        """The session writer of a step's session: opened (or resumed) once, kept for the server's life."""
-        sid = _field(body, "session", str)
-        with self._lock:
-            w = self._writers.get(sid)
-            if w is None:
-                task = _field(body, "task", str)
-                w = self.db.session(task=task, id=sid, agent=body.get("agent"), model=body.get("model"))
-                self._writers[sid] = w
-        return w
-
-    def step(self, body: Mapping[str, Any]) -> dict[str, Any]:
-        """A whole step: the node (``add_node``'s arguments), its rewards; durable on return."""
-        node = _field(body, "node", dict)
-        rewards = _field(body, "rewards", dict, optional=True) or {}
-        allowed = {"id", "parents", "edge_kind", "kind", "step", "status", "summary", "cost", "embedding",
-                   "artifacts", "source", "attrs", "labels", "at", "action", "state"}
-        unknown = sorted(set(node) - allowed)
-        if unknown:
-            raise ValidationError(f"node has unknown field(s) {unknown}; fields: {', '.join(sorted(allowed))}")
-        for channel, value in rewards.items():  # all or nothing: a bad reward stages no node
-            reward_value(str(node.get("id") or "(new node)"), channel, value)
-        w = self.writer(body)
-        with self._stage:  # staged, then ticketed: a ticket below a flush's mark is in that flush
-            node_id = w.add_node(**node)
-            for channel, value in rewards.items():
-                w.add_reward(node_id, channel, value)
-            self._staged += 1
-            ticket = self._staged
-        return {"id": node_id, "commit": self._wait_durable(ticket)}
-
-    def log(self) -> list[dict[str, Any]]:
-        return [{**c, "time": c["time"].isoformat() if c.get("time") is not None else None} for c in self.db.log()]
-
-
-def _field(body: Mapping[str, Any], name: str, kind: type, *, optional: bool = False) -> Any:
-    v = body.get(name)
-    if v is None and optional:
-        return None
-    if not isinstance(v, kind):
-        raise ValidationError(f"the request needs {name!r} as a {kind.__name__}, got {type(v).__name__}")
-    return v
-
-
 def _table_response(t: pa.Table, fmt: Any) -> Response:
     from starlette.responses import JSONResponse, Response
 
@@ -199,6 +83,13 @@ def _table_response(t: pa.Table, fmt: Any) -> Response:
     if fmt not in (None, "json"):
         raise ValidationError(f"format must be 'json' or 'arrow', got {fmt!r}")
     return JSONResponse({"columns": t.column_names, "rows": json.loads(_json_rows(t))})
+
+
+def _json(value: Any) -> Response:
+    """A call's result as JSON ``{"result": ...}``, its values wire-encoded (``trellisdb/wire.py``)."""
+    from starlette.responses import JSONResponse
+
+    return JSONResponse({"result": wire.encode(value)})
 
 
 def _json_rows(t: pa.Table) -> str:
@@ -238,12 +129,17 @@ async def _body(request: Request, limit: int) -> dict[str, Any]:
     return value
 
 
-def build_app(db: Database, *, token: str | None = None, max_body: int = MAX_BODY) -> Starlette:
-    """The HTTP application serving ``db`` (see the module notes)."""
+def build_app(db: Database, *, token: str | None = None, max_body: int = MAX_BODY, host: str = "127.0.0.1",
+              allowed_hosts: Sequence[str] | None = None) -> Starlette:
+    """The HTTP application serving ``db`` (see the module notes): the REST routes under ``/v1``
+    and MCP at ``/mcp``. ``host`` is the address it is bound to and ``allowed_hosts`` the names
+    clients may reach it by (MCP's DNS-rebinding check; ``trellisdb/mcp_server.py``)."""
     from starlette.applications import Starlette
     from starlette.concurrency import run_in_threadpool
     from starlette.responses import JSONResponse
-    from starlette.routing import Route
+    from starlette.routing import BaseRoute, Mount, Route
+
+    from trellisdb.mcp_server import http_app
 
     service = Service(db)
 
@@ -265,7 +161,7 @@ def build_app(db: Database, *, token: str | None = None, max_body: int = MAX_BOD
         return endpoint
 
     async def health(request: Request) -> Response:
-        return JSONResponse(await run_in_threadpool(service.health))
+        return _json(await run_in_threadpool(service.health))
 
     async def query(request: Request) -> Response:
         body = await _body(request, max_body)
@@ -275,21 +171,47 @@ def build_app(db: Database, *, token: str | None = None, max_body: int = MAX_BOD
         body = await _body(request, max_body)
         return _table_response(await run_in_threadpool(service.sql, body), body.get("format"))
 
-    async def steps(request: Request) -> Response:
-        body = await _body(request, max_body)
-        return JSONResponse(await run_in_threadpool(service.step, body))
-
     async def log(request: Request) -> Response:
-        return JSONResponse(await run_in_threadpool(service.log))
+        return _json(await run_in_threadpool(service.log))
 
-    routes = [
+    def posted(work: Callable[[dict[str, Any]], Any]) -> Callable[[Request], Awaitable[Response]]:
+        """An endpoint taking a JSON body (wire-encoded values) and answering the work's result."""
+        async def handler(request: Request) -> Response:
+            body = wire.decode(await _body(request, max_body))
+            out = await run_in_threadpool(work, body)
+            table = result_table(out)
+            return _table_response(table, "arrow") if table is not None else _json(out)
+        return handler
+
+    routes: list[BaseRoute] = [
         Route("/v1/health", guarded(health), methods=["GET"]),
         Route("/v1/query", guarded(query), methods=["POST"]),
         Route("/v1/sql", guarded(sql), methods=["POST"]),
-        Route("/v1/steps", guarded(steps), methods=["POST"]),
         Route("/v1/log", guarded(log), methods=["GET"]),
+        Route("/v1/steps", guarded(posted(service.step)), methods=["POST"]),
+        Route("/v1/call", guarded(posted(service.call)), methods=["POST"]),
+        Route("/v1/flush", guarded(posted(service.flush)), methods=["POST"]),
+        Route("/v1/sessions", guarded(posted(service.open_session)), methods=["POST"]),
+        Route("/v1/sessions/resume", guarded(posted(service.resume_session)), methods=["POST"]),
+        Route("/v1/sessions/close", guarded(posted(service.close_session)), methods=["POST"]),
+        Route("/v1/tx/begin", guarded(posted(service.begin)), methods=["POST"]),
+        Route("/v1/tx/commit", guarded(posted(lambda body: service.end(body, commit=True))), methods=["POST"]),
+        Route("/v1/tx/rollback", guarded(posted(lambda body: service.end(body, commit=False))), methods=["POST"]),
     ]
-    return Starlette(routes=routes)
+    # MCP over streamable HTTP at /mcp, its steps group-committed with everyone's; mounted last
+    # ("/" takes every path the routes above do not)
+    mcp = http_app(db, step=service.step, token=token, host=host, allowed_hosts=allowed_hosts, max_body=max_body)
+    routes.append(Mount("/", app=mcp.app))
+
+    @asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        async with mcp.lifespan():  # the MCP session manager runs while the app does
+            try:
+                yield
+            finally:
+                await run_in_threadpool(service.close)
+
+    return Starlette(routes=routes, lifespan=lifespan)
 
 
 def serve(path: str, *, host: str = "127.0.0.1", port: int = 7437, token: str | None = None,
@@ -297,7 +219,8 @@ def serve(path: str, *, host: str = "127.0.0.1", port: int = 7437, token: str | 
     """Open the store at ``path`` and serve it until interrupted (``trellis serve``)."""
     import uvicorn
 
-    from trellisdb.database import connect
+    from trellisdb.database import open_local
 
-    with connect(path) as db:
-        uvicorn.run(build_app(db, token=token, max_body=max_body), host=host, port=port, log_level="warning")
+    with open_local(path) as db:
+        uvicorn.run(build_app(db, token=token, max_body=max_body, host=host), host=host, port=port,
+                    log_level="warning")

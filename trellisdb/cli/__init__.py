@@ -151,7 +151,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _run(args: argparse.Namespace, path: str) -> int:
-    from trellisdb.database import connect
+    from trellisdb.database import open_local as connect
 
     if args.read_only and args.command in ("init", "demo", "import", "serve", "mcp"):
         raise TrellisError(f"`trellis {args.command}` writes the database; drop --read-only")

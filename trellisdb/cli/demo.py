@@ -13,7 +13,7 @@ from __future__ import annotations
 import random
 
 from trellisdb.cli.output import format_table
-from trellisdb.database import Database, connect
+from trellisdb.database import Database, open_local
 
 IDEAS = (
     "greedy placement of circles along the border",
@@ -29,7 +29,7 @@ IDEAS = (
 
 def run_demo(path: str, *, sessions: int = 3, steps: int = 12, seed: int = 7) -> None:
     rng = random.Random(seed)
-    db = connect(path)
+    db = open_local(path)
     task = "circle-packing-26"
     db.add_task(task, name="pack 26 circles in a unit square", spec="maximize the sum of radii")
     halfway_tag = None

@@ -1,0 +1,53 @@
+"""Starting a real ``trellis serve`` process for tests (shared by the server and API suites)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def start(path: Path, port: int, token: str | None = None, *extra: str) -> subprocess.Popen[bytes]:
+    """``trellis --db path serve`` on ``port``; returns once it answers /v1/health."""
+    cmd = [sys.executable, "-m", "trellisdb.cli", "--db", str(path), "serve", "--port", str(port), *extra]
+    if token is not None:
+        cmd += ["--token", token]
+    err = tempfile.TemporaryFile()  # noqa: SIM115 (the process writes it for its life; not a pipe: never blocks)
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    url = f"http://127.0.0.1:{port}"
+    headers = {"authorization": f"Bearer {token}"} if token else {}
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            if httpx.get(f"{url}/v1/health", headers=headers).status_code == 200:
+                return proc
+        except httpx.HTTPError:
+            pass
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            proc.wait()
+            err.seek(0)
+            pytest.fail(f"the server did not start: {err.read().decode()[-2000:]}")
+        time.sleep(0.05)
+
+
+def stop(proc: subprocess.Popen[bytes]) -> None:
+    proc.terminate()
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()

@@ -1,0 +1,404 @@
+"""What ``trellis serve`` does for its clients, on one open database; no HTTP here (``server.py``
+carries it), so every piece is testable in-process.
+
+- **Group commit across clients.** A write that must be durable when its call returns (a whole
+  step, a ``flush``) takes a *ticket* once its rows are staged; one committer thread flushes
+  ``window`` seconds after the first ticket it has not covered (more join meanwhile) and wakes
+  the calls its flush covered: everything staged before the flush began. A failed flush is
+  raised to the calls it covered (their writes stay pending in the committer, which retries).
+- **Sessions.** A session's writer is opened once and kept until the client closes the session;
+  calls on one session run one at a time (a writer numbers its steps).
+- **Transactions spanning calls.** ``begin`` starts a worker thread that opens
+  ``db.transaction`` and runs the calls carrying the transaction's id (the committer keeps a
+  transaction per thread); ``commit`` ends the block, ``rollback`` (or ``timeout`` seconds
+  without a call) discards it.
+- **Calls.** :data:`DB_CALLS` and :data:`SESSION_CALLS` are the whole remote API: each method
+  of the embedded handle or of a session writer a client may call, with what it may not pass
+  (callables). Anything else is refused by name.
+"""
+
+from __future__ import annotations
+
+import inspect
+import itertools
+import queue
+import secrets
+import threading
+import time
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future
+from typing import TYPE_CHECKING, Any
+
+import pyarrow as pa
+
+from trellisdb.errors import CommitError, TransactionError, ValidationError
+from trellisdb.result import Result
+from trellisdb.writer import reward_value
+
+if TYPE_CHECKING:
+    from trellisdb.database import Database
+    from trellisdb.writer import SessionWriter
+
+#: Seconds the committer waits after the first unflushed ticket, for others to join its commit.
+WINDOW = 0.002
+#: A transaction is rolled back after this many seconds without a call (a client may ask up to MAX).
+TX_TIMEOUT = 30.0
+TX_TIMEOUT_MAX = 600.0
+#: At most this many transactions open at once (each holds a thread).
+MAX_TRANSACTIONS = 256
+
+#: The remote API: methods of the database handle and of a session's writer a client may call,
+#: each with the parameters it may not pass (callables).
+DB_CALLS: dict[str, frozenset[str]] = {
+    **{m: frozenset() for m in (
+        "add_task", "set_attrs", "label", "unlabel", "tag", "untag", "tags", "resolve_as_of", "views",
+        "create_view", "materialize", "refresh", "view", "drop_view", "spaces", "add_vectors", "index_status",
+        "build_index", "ingest")},
+    "create_space": frozenset({"embedder"}),
+    "export": frozenset({"progress"}),
+}
+SESSION_CALLS: dict[str, frozenset[str]] = {m: frozenset() for m in (
+    "add_node", "add_edge", "add_artifact", "add_reward", "add_comparison", "set_status", "set_attrs", "label",
+    "unlabel")}
+#: Step fields a whole-step call may carry (``add_node``'s arguments).
+STEP_FIELDS = frozenset({"id", "parents", "edge_kind", "kind", "step", "status", "summary", "cost", "embedding",
+                         "artifacts", "source", "attrs", "labels", "at", "action", "state"})
+
+
+class _Tx:
+    """A transaction held open across calls: a worker thread inside ``db.transaction``."""
+
+    _COMMIT = object()
+    _ROLLBACK = object()
+
+    class _Abort(Exception):
+        pass
+
+    def __init__(self, db: Database, message: str | None, meta: Mapping[str, Any] | None, timeout: float) -> None:
+        self.db, self.message, self.meta, self.timeout = db, message, meta, timeout
+        self._calls: queue.Queue[Any] = queue.Queue()
+        self._lock = threading.Lock()
+        self.ended: str | None = None  # why it can take no more calls
+        self._outcome: Future[int | None] = Future()
+        self._started: Future[None] = Future()
+        self._thread = threading.Thread(target=self._run, name="trellisdb-remote-tx", daemon=True)
+        self._thread.start()
+        self._started.result()  # a bad message or meta is raised to begin()
+
+    def _run(self) -> None:
+        try:
+            with self.db.transaction(self.message, self.meta) as tx:
+                self._started.set_result(None)
+                while True:
+                    try:
+                        item = self._calls.get(timeout=self.timeout)
+                    except queue.Empty:
+                        with self._lock:
+                            if self._calls.empty():  # else a call slipped in: take it
+                                self.ended = f"it was rolled back after {self.timeout:g} s without a call"
+                                raise _Tx._Abort() from None
+                        continue
+                    if item is _Tx._COMMIT:
+                        break
+                    if item is _Tx._ROLLBACK:
+                        raise _Tx._Abort()
+                    fn, done = item
+                    try:
+                        done.set_result(fn())
+                    except BaseException as e:  # the caller's error; the transaction stays open
+                        done.set_exception(e)
+            self._outcome.set_result(tx.commit_id)
+        except _Tx._Abort:
+            self._outcome.set_result(None)
+        except BaseException as e:
+            if not self._started.done():
+                self._started.set_exception(e)
+            self._outcome.set_exception(e)
+
+    def _put(self, item: Any, ending: str | None) -> None:
+        with self._lock:
+            if self.ended is not None:
+                raise TransactionError(f"the transaction is over: {self.ended}")
+            if ending is not None:
+                self.ended = ending
+            self._calls.put(item)
+
+    def run(self, fn: Callable[[], Any]) -> Any:
+        """Run ``fn`` inside the transaction (on its thread); its result or error."""
+        done: Future[Any] = Future()
+        self._put((fn, done), None)
+        return done.result()
+
+    def end(self, commit: bool) -> int | None:
+        """Commit (the commit id; None if nothing was written) or roll back."""
+        self._put(_Tx._COMMIT if commit else _Tx._ROLLBACK, "it was committed" if commit else "it was rolled back")
+        return self._outcome.result()
+
+
+class Service:
+    """The server's work on one open database (see the module notes)."""
+
+    def __init__(self, db: Database, *, window: float = WINDOW) -> None:
+        self.db = db
+        self.window = window
+        self._writers: dict[str, SessionWriter] = {}
+        self._session_locks: dict[str, threading.Lock] = {}
+        self._lock = threading.Lock()
+        self._txs: dict[str, _Tx] = {}
+        self._tx_ids = itertools.count(1)
+        # group commit: tickets staged, tickets durable (or failed), the committer thread
+        self._stage = threading.Lock()
+        self._done = threading.Condition()
+        self._staged = 0
+        self._durable = 0
+        self._commit = 0
+        self._failed: tuple[int, BaseException] | None = None
+        self._wake = threading.Event()
+        self._closed = False
+        self._thread = threading.Thread(target=self._commit_loop, name="trellisdb-server-commit", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        """Stop the committer; open transactions are rolled back."""
+        for tx in list(self._txs.values()):
+            if tx.ended is None:
+                tx.end(commit=False)
+        self._closed = True
+        self._wake.set()
+        self._thread.join()
+
+    # ------------------------------------------------------------ group commit
+    def _commit_loop(self) -> None:
+        while not self._closed:
+            self._wake.wait()
+            if self._closed:
+                return
+            time.sleep(self.window)  # let the steps arriving meanwhile join this commit
+            self._wake.clear()
+            with self._stage:
+                upto = self._staged  # every ticket up to here is staged: the flush takes it
+            try:
+                commit = self.db.flush() or self.db.snapshot().commit
+                failed: tuple[int, BaseException] | None = None
+            except BaseException as e:  # told to the calls it covered
+                failed = (upto, e)
+            with self._done:
+                if failed is None:
+                    self._durable, self._commit = upto, commit
+                else:
+                    self._failed = failed
+                self._done.notify_all()
+
+    def _ticket(self) -> int:
+        with self._stage:
+            self._staged += 1
+            return self._staged
+
+    def _wait_durable(self, ticket: int) -> int:
+        """Block until the flush covering ``ticket`` is done; its commit id (or its error)."""
+        self._wake.set()
+        with self._done:
+            while self._durable < ticket:
+                if self._failed is not None and self._failed[0] >= ticket:
+                    raise CommitError(f"the group commit holding these writes failed: {self._failed[1]}; they "
+                                      "are kept and retried by the server") from self._failed[1]
+                self._done.wait()
+            return self._commit
+
+    def durable(self) -> int:
+        """Every write made before this call is durable on return; the commit that holds them."""
+        return self._wait_durable(self._ticket())
+
+    # ------------------------------------------------------------ reads
+    def health(self) -> dict[str, Any]:
+        return {"ok": True, "commit": self.db.snapshot().commit}
+
+    def query(self, body: Mapping[str, Any]) -> pa.Table:
+        text = field(body, "tql", str)
+        params = field(body, "params", dict, optional=True) or {}
+        return self.db.query(text, **params).to_arrow()
+
+    def sql(self, body: Mapping[str, Any]) -> pa.Table:
+        text = field(body, "sql", str)
+        params = body.get("params")
+        if params is not None and not isinstance(params, list | dict):
+            raise ValidationError("params must be a list (for $1, $2...) or an object (for $name)")
+        as_of = body.get("as_of")
+        if as_of is not None and (isinstance(as_of, bool) or not isinstance(as_of, int | str)):
+            raise ValidationError("as_of must be a commit id, a tag or an ISO timestamp")
+        return self.db.sql(text, as_of=as_of, params=params).to_arrow()
+
+    def log(self) -> list[dict[str, Any]]:
+        return self.db.log()
+
+    # ------------------------------------------------------------ sessions
+    def _writer(self, sid: str) -> SessionWriter:
+        with self._lock:
+            w = self._writers.get(sid)
+            if w is None:  # a session the server has not seen since it started: resumed
+                w = self._writers[sid] = self.db.resume(sid)
+            return w
+
+    def _session_lock(self, sid: str) -> threading.Lock:
+        with self._lock:
+            return self._session_locks.setdefault(sid, threading.Lock())
+
+    def open_session(self, body: Mapping[str, Any]) -> dict[str, Any]:
+        """Open (or reopen) a session: ``Database.session``'s arguments; its id and task."""
+        kw = field(body, "kwargs", dict, optional=True) or {}
+        _check_args("session", self.db.session, [], kw, frozenset())
+        w = self._in_tx(body, lambda: self.db.session(**kw))
+        with self._lock:
+            self._writers[w.id] = w
+        return {"id": w.id, "task_id": w.task_id}
+
+    def resume_session(self, body: Mapping[str, Any]) -> dict[str, Any]:
+        sid = field(body, "session", str)
+        w = self.db.resume(sid)
+        with self._lock:
+            self._writers[sid] = w
+        return {"id": w.id, "task_id": w.task_id}
+
+    def close_session(self, body: Mapping[str, Any]) -> dict[str, Any]:
+        """Record a session's final status; durable on return (outside a transaction)."""
+        sid = field(body, "session", str)
+        status = field(body, "status", str, optional=True) or "completed"
+        with self._session_lock(sid):
+            w = self._writer(sid)
+            self._in_tx(body, lambda: w.close(status))
+            with self._lock:
+                self._writers.pop(sid, None)
+        return {"id": sid}
+
+    def step(self, body: Mapping[str, Any]) -> dict[str, Any]:
+        """A whole step: the node (``add_node``'s arguments) and its rewards; durable on return."""
+        node = field(body, "node", dict)
+        rewards = field(body, "rewards", dict, optional=True) or {}
+        unknown = sorted(set(node) - STEP_FIELDS)
+        if unknown:
+            raise ValidationError(f"node has unknown field(s) {unknown}; fields: {', '.join(sorted(STEP_FIELDS))}")
+        for channel, value in rewards.items():  # all or nothing: a bad reward stages no node
+            reward_value(str(node.get("id") or "(new node)"), channel, value)
+        sid = field(body, "session", str)
+        with self._lock:
+            w = self._writers.get(sid)
+            if w is None:
+                task = field(body, "task", str)
+                w = self._writers[sid] = self.db.session(task=task, id=sid, agent=body.get("agent"),
+                                                         model=body.get("model"))
+        with self._session_lock(sid), self._stage:  # staged, then ticketed: a flush takes both
+            node_id = w.add_node(**node)
+            for channel, value in rewards.items():
+                w.add_reward(node_id, channel, value)
+            self._staged += 1
+            ticket = self._staged
+        return {"id": node_id, "commit": self._wait_durable(ticket)}
+
+    # ------------------------------------------------------------ calls
+    def call(self, body: Mapping[str, Any]) -> Any:
+        """One method of the remote API (:data:`DB_CALLS`; :data:`SESSION_CALLS` with a
+        ``session``): ``{"method", "args", "kwargs", "session", "tx"}`` with decoded values; its
+        result (a ``Result`` stays one)."""
+        method = field(body, "method", str)
+        sid = field(body, "session", str, optional=True)
+        calls = DB_CALLS if sid is None else SESSION_CALLS
+        if method not in calls:
+            raise ValidationError(f"unknown method {method!r} of {'a database' if sid is None else 'a session'}; "
+                                  f"methods: {', '.join(sorted(calls))}")
+        refused = calls[method]
+        args = field(body, "args", list, optional=True) or []
+        kwargs = field(body, "kwargs", dict, optional=True) or {}
+        if sid is None:
+            if method == "export":  # a remote export writes under the server's export root only
+                args, kwargs = _export_args(self.db, args, kwargs)
+            fn = getattr(self.db, method)
+            _check_args(method, fn, args, kwargs, refused)
+            return self._in_tx(body, lambda: fn(*args, **kwargs))
+        with self._session_lock(sid):
+            fn = getattr(self._writer(sid), method)
+            _check_args(method, fn, args, kwargs, refused)
+            return self._in_tx(body, lambda: fn(*args, **kwargs))
+
+    def flush(self, body: Mapping[str, Any]) -> int | None:
+        """Make every pending write durable (shared with other clients' flushes); the commit."""
+        meta = field(body, "meta", dict, optional=True)
+        if meta is not None:  # a commit carrying run state: its own
+            return self.db.flush(meta)
+        return self.durable()
+
+    # ------------------------------------------------------------ transactions
+    def begin(self, body: Mapping[str, Any]) -> dict[str, Any]:
+        message = field(body, "message", str, optional=True)
+        meta = field(body, "meta", dict, optional=True)
+        timeout = body.get("timeout", TX_TIMEOUT)
+        if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not 0 < timeout <= TX_TIMEOUT_MAX:
+            raise ValidationError(f"timeout must be seconds in (0, {TX_TIMEOUT_MAX:g}], got {timeout!r}")
+        with self._lock:
+            for k in [k for k, t in self._txs.items() if t.ended is not None]:
+                del self._txs[k]
+            if len(self._txs) >= MAX_TRANSACTIONS:
+                raise TransactionError(f"{MAX_TRANSACTIONS} transactions are open on this server; commit or "
+                                       "roll back one first")
+        tx = _Tx(self.db, message, meta, float(timeout))
+        tx_id = f"tx{next(self._tx_ids)}-{secrets.token_hex(8)}"
+        with self._lock:
+            self._txs[tx_id] = tx
+        return {"tx": tx_id, "timeout": tx.timeout}
+
+    def end(self, body: Mapping[str, Any], commit: bool) -> dict[str, Any]:
+        tx_id = field(body, "tx", str)
+        tx = self._tx(tx_id)
+        try:
+            return {"commit_id": tx.end(commit)}
+        finally:
+            with self._lock:
+                self._txs.pop(tx_id, None)
+
+    def _tx(self, tx_id: str) -> _Tx:
+        with self._lock:
+            tx = self._txs.get(tx_id)
+        if tx is None:
+            raise TransactionError(f"no open transaction {tx_id[:80]!r}: it was committed, rolled back, timed out "
+                                   "or the server restarted; begin a new one")
+        return tx
+
+    def _in_tx(self, body: Mapping[str, Any], fn: Callable[[], Any]) -> Any:
+        """Run ``fn`` in the transaction the call names (on its thread), else here."""
+        tx_id = field(body, "tx", str, optional=True)
+        return fn() if tx_id is None else self._tx(tx_id).run(fn)
+
+
+def field(body: Mapping[str, Any], name: str, kind: type, *, optional: bool = False) -> Any:
+    """``body[name]``, checked to be a ``kind`` (None allowed when ``optional``)."""
+    v = body.get(name)
+    if v is None and optional:
+        return None
+    if not isinstance(v, kind) or (kind is int and isinstance(v, bool)):
+        raise ValidationError(f"the request needs {name!r} as a {kind.__name__}, got {type(v).__name__}")
+    return v
+
+
+def _check_args(method: str, fn: Callable[..., Any], args: list[Any], kwargs: Mapping[str, Any],
+                refused: frozenset[str]) -> None:
+    bad = sorted(refused & set(kwargs))
+    if bad:
+        raise ValidationError(f"{method}: {', '.join(bad)} cannot be passed to a remote store")
+    try:
+        inspect.signature(fn).bind(*args, **kwargs)
+    except TypeError as e:
+        raise ValidationError(f"{method}: {e}") from None
+
+
+def _export_args(db: Database, args: list[Any], kwargs: dict[str, Any]) -> tuple[list[Any], dict[str, Any]]:
+    """An export's path, read relative to the server's export root (``Database.export_target``)."""
+    args, kwargs = list(args), dict(kwargs)
+    if len(args) >= 2:
+        args[1] = db.export_target(field({"path": args[1]}, "path", str))
+    elif "path" in kwargs:
+        kwargs["path"] = db.export_target(field(kwargs, "path", str))
+    return args, kwargs
+
+
+def result_table(value: Any) -> pa.Table | None:
+    """The Arrow table of a call's result, when it is rows."""
+    return value.to_arrow() if isinstance(value, Result) else None
