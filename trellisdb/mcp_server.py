@@ -1,11 +1,16 @@
 """trellisdb as an MCP server (issue 25): the tools an agent calls, over stdio (``trellis mcp
---db PATH``). Built on the official ``mcp`` SDK (the ``server`` extra).
+--db PATH``) or streamable HTTP mounted in ``trellis serve`` (:func:`http_app`). Built on the
+official ``mcp`` SDK (the ``server`` extra).
 
 Tools: ``query`` (any TQL), ``frontier``, ``lineage``, ``retrieve`` (vector-seeded, with lineage),
 ``record_step`` (a node with its artifacts and rewards in one call), ``add_reward``, ``compare``.
 Resources: ``trellis://schema`` (the tables and columns) and ``trellis://tql`` (the TQL
 reference). A ``TrellisError`` reaches the agent as a tool error with its message (a TQL
 syntax error with its caret and hint), so the agent can correct itself.
+
+Inside ``trellis serve``, ``record_step`` goes through the server's ``step`` (the body of ``POST
+/v1/steps``), so MCP steps join the cross-client group commit; the endpoint asks for the server's
+bearer token.
 
 >>> import tempfile, trellisdb
 >>> server = build_server(trellisdb.connect(tempfile.mkdtemp() + "/db", embedding_dim=4))
@@ -15,14 +20,22 @@ syntax error with its caret and hint), so the agent can correct itself.
 
 from __future__ import annotations
 
+import hmac
+import ipaddress
 import json
 import threading
+from collections.abc import Callable, Mapping, Sequence
+from contextlib import AbstractAsyncContextManager
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any, NamedTuple
 
 from mcp.server import MCPServer
 from mcp.server.mcpserver.exceptions import ToolError
+from mcp.server.transport_security import DEFAULT_MAX_REQUEST_BODY_SIZE, TransportSecuritySettings
 from pydantic import Field  # the SDK reads the tools' annotations, so their names live at module level
+from starlette.datastructures import Headers
+from starlette.responses import JSONResponse
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from trellisdb.errors import TrellisError
 from trellisdb.writer import reward_value
@@ -44,14 +57,22 @@ def _rows(table: Any) -> dict[str, Any]:
     return {"rows": out, "count": len(rows), "truncated": len(rows) > MAX_ROWS}
 
 
-def build_server(db: Database) -> MCPServer:
-    """The MCP server of the open database ``db``."""
+#: What ``record_step`` calls inside ``trellis serve``: ``Service.step`` (a ``POST /v1/steps`` body in,
+#: ``{"id", "commit"}`` out once durable; it blocks, so it runs in the tool's worker thread).
+StepFn = Callable[[Mapping[str, Any]], Mapping[str, Any]]
+
+
+def build_server(db: Database, *, step: StepFn | None = None) -> MCPServer:
+    """The MCP server of the open database ``db``. With ``step`` (the HTTP server's
+    ``Service.step``), ``record_step`` hands each step to it instead of writing and flushing
+    itself, so MCP steps share the server's group commits with its other clients."""
     mcp = MCPServer("trellisdb", instructions=(
         "An experience-graph store: attempts (nodes) with lineage, artifacts and rewards. Use `frontier` to pick "
         "what to expand, `record_step` to record what you did, `retrieve` to find similar past attempts with "
         "their lineage, `query` for any TQL (read trellis://tql)."))
     writers: dict[str, SessionWriter] = {}
     lock = threading.Lock()
+    tasks: dict[str, str] = {}  # with ``step``: the task of each session seen to exist
 
     def run(fn: Any, *args: Any, **kw: Any) -> Any:
         try:
@@ -122,7 +143,7 @@ def build_server(db: Database) -> MCPServer:
                                                                "idempotent")] = None) -> dict[str, Any]:
         """Record one step (a node, its parent edges, artifacts, rewards and attributes); returns
         its id once it is durable."""
-        def step() -> dict[str, Any]:
+        def write() -> dict[str, Any]:
             for ch, v in (rewards or {}).items():  # all or nothing: a bad reward stages no node
                 reward_value(id or "(new node)", ch, v)
             w = writer(session, task)
@@ -131,8 +152,30 @@ def build_server(db: Database) -> MCPServer:
             for ch, v in (rewards or {}).items():
                 w.add_reward(node_id, ch, v)
             return {"id": node_id, "commit": db.flush() or db.snapshot().commit}
-        out: dict[str, Any] = run(step)
-        return out
+
+        def via_server(step: StepFn) -> dict[str, Any]:
+            body: dict[str, Any] = {
+                "session": session, "rewards": rewards or {},
+                "node": {"id": id, "parents": parents or [], "kind": kind, "summary": summary,
+                         "artifacts": artifacts, "attrs": attrs, "action": action, "state": state}}
+            known = tasks.get(session)
+            if known is None:  # the server opens a session's writer from its task: find it once
+                rows = db.sql("SELECT task_id FROM sessions WHERE id = $1", params=[session]).to_pylist()
+                if rows:
+                    known = str(rows[0]["task_id"])
+                elif task is None:
+                    raise ToolError(f"session {session!r} is new: give its task")
+                else:
+                    body["agent"] = "mcp"  # only for a new session: reopening checks a given agent
+            body["task"] = task if task is not None else known
+            out = dict(step(body))
+            tasks[session] = body["task"]
+            return {"id": out["id"], "commit": out["commit"]}
+
+        # A plain ``def`` tool runs in a worker thread (anyio.to_thread), so blocking in ``step``
+        # (until the group commit holding the step is durable) leaves the event loop free.
+        result: dict[str, Any] = run(write) if step is None else run(via_server, step)
+        return result
 
     @mcp.tool()
     def add_reward(session: str, node: str, channel: str, value: float) -> dict[str, Any]:
@@ -167,9 +210,95 @@ def build_server(db: Database) -> MCPServer:
     return mcp
 
 
+class McpHttp(NamedTuple):
+    """What the HTTP server mounts: ``app``, the streamable-HTTP endpoint (an ASGI app), as
+    ``Mount("/", app=app)`` after its own routes; ``lifespan``, which its lifespan must enter
+    (``async with lifespan():``) while it serves; it can be entered once."""
+
+    app: ASGIApp
+    lifespan: Callable[[], AbstractAsyncContextManager[None]]
+
+
+def http_app(db: Database, *, step: StepFn | None = None, token: str | None = None, path: str = "/mcp",
+             host: str = "127.0.0.1", allowed_hosts: Sequence[str] | None = None,
+             max_body: int = DEFAULT_MAX_REQUEST_BODY_SIZE) -> McpHttp:
+    """The MCP endpoint of ``db`` over streamable HTTP at ``path``, for ``trellis serve`` to mount.
+
+    ``step``: the server's ``Service.step`` (``record_step`` joins its group commit). ``token``:
+    every request must carry ``Authorization: Bearer <token>`` (else 401, as the REST routes).
+    ``host``: the address the server binds; on a loopback one, requests whose ``Host`` is not a
+    loopback name are refused (421: DNS-rebinding protection); ``allowed_hosts`` (``"name"``,
+    ``"name:port"`` or ``"name:*"``) are allowed besides the loopback names, on any address; on a
+    non-loopback one without them the check is off. ``max_body``: the largest MCP message, in
+    bytes (413 past it). Each call builds a fresh MCP server: its session manager runs once."""
+    server = build_server(db, step=step)
+    app: ASGIApp = server.streamable_http_app(
+        streamable_http_path=path, max_request_body_size=max_body,
+        transport_security=_transport_security(host, allowed_hosts))
+    if token is not None:
+        app = _require_token(app, token)
+    return McpHttp(app, server.session_manager.run)  # the session manager exists once the app does
+
+
+_LOOPBACK_NAMES = ("127.0.0.1", "localhost", "[::1]")
+
+
+def _transport_security(host: str, allowed_hosts: Sequence[str] | None) -> TransportSecuritySettings:
+    """The ``Host``/``Origin`` check of the MCP endpoint (see :func:`http_app`)."""
+    if allowed_hosts is not None:  # loopback names stay allowed: a rebinding page never sends them
+        names = [*_LOOPBACK_NAMES, *allowed_hosts]
+    elif _is_loopback(host):
+        names = [*_LOOPBACK_NAMES, *([] if host in ("127.0.0.1", "localhost", "::1") else [_bracket(host)])]
+    else:
+        # Bound to a network address (``--host 0.0.0.0``, a LAN IP): clients reach the server under
+        # names it cannot know (its hostname, its IPs, a proxy's), so a fixed list would refuse them
+        # all (421). DNS rebinding lets a web page reach a server that only localhost can reach; one
+        # on the network is reachable directly anyway, and the bearer token is what guards it.
+        return TransportSecuritySettings(enable_dns_rebinding_protection=False)
+    hosts, origins = [], []
+    for name in names:
+        with_port = name.endswith(":*") or ":" in name.rsplit("]", 1)[-1]
+        for h in (name,) if with_port else (name, f"{name}:*"):
+            hosts.append(h)
+            origins += [f"http://{h}", f"https://{h}"]
+    return TransportSecuritySettings(enable_dns_rebinding_protection=True, allowed_hosts=hosts,
+                                     allowed_origins=origins)
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def _bracket(host: str) -> str:
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
+
+
+def _require_token(app: ASGIApp, token: str) -> ASGIApp:
+    """``app``, answering 401 (JSON, as the REST routes) to a request without the bearer token."""
+    expected = f"Bearer {token}".encode()
+
+    async def guarded(scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            given = Headers(scope=scope).get("authorization", "").encode()
+            if not hmac.compare_digest(given, expected):
+                refusal = JSONResponse(
+                    {"error": "Unauthorized", "message": "a valid 'Authorization: Bearer <token>' header is needed"},
+                    status_code=401, headers={"WWW-Authenticate": "Bearer"})
+                await refusal(scope, receive, send)
+                return
+        await app(scope, receive, send)
+
+    return guarded
+
+
 def serve_stdio(path: str) -> None:
     """``trellis mcp --db PATH``: the MCP server of the store at ``path`` over stdio."""
-    from trellisdb.database import connect
+    from trellisdb.database import open_local as connect
 
     with connect(path) as db:
         build_server(db).run()
