@@ -20,15 +20,18 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def start(path: Path, port: int, token: str | None = None, *extra: str) -> subprocess.Popen[bytes]:
-    """``trellis --db path serve`` on ``port``; returns once it answers /v1/health."""
+def start(path: Path, port: int, token: str | None = None, *extra: str,
+          probe: str | None = None) -> subprocess.Popen[bytes]:
+    """``trellis --db path serve [--token token]`` on ``port``; returns once it answers /v1/health
+    (asked with ``probe``, default ``token``: a token the server knows)."""
     cmd = [sys.executable, "-m", "trellisdb.cli", "--db", str(path), "serve", "--port", str(port), *extra]
     if token is not None:
         cmd += ["--token", token]
     err = tempfile.TemporaryFile()  # noqa: SIM115 (the process writes it for its life; not a pipe: never blocks)
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     url = f"http://127.0.0.1:{port}"
-    headers = {"authorization": f"Bearer {token}"} if token else {}
+    probe = probe or token
+    headers = {"authorization": f"Bearer {probe}"} if probe else {}
     deadline = time.monotonic() + 60
     while True:
         try:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from trellisdb.database import Database, connect
 from trellisdb.errors import (
+    AccessError,
     CommitError,
     CorruptionError,
     DuplicateIdError,
@@ -47,6 +48,7 @@ from trellisdb.writer import SessionWriter
 __version__ = "0.1.0"
 
 __all__ = [
+    "AccessError",
     "CommitError",
     "CorruptionError",
     "Database",

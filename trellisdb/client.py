@@ -98,7 +98,7 @@ class RemoteDatabase:
                 kind, message = str(err["error"]), str(err["message"])
             except (ValueError, KeyError, TypeError):
                 raise RemoteError(f"{self.url}{path}: HTTP {r.status_code}: {r.text[:200]}") from None
-            cls = getattr(errors, kind, None)
+            cls = errors.AccessError if kind in ("Unauthorized", "Forbidden") else getattr(errors, kind, None)
             if not (isinstance(cls, type) and issubclass(cls, TrellisError)):
                 cls = RemoteError
             try:

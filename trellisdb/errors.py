@@ -170,3 +170,8 @@ class ExportError(TrellisError):
 class ImportFormatError(ValidationError):
     """A file of a run being imported that its format's reader cannot read as that format; the
     message names the file (and line). Nothing of the unit holding it was written."""
+
+
+class AccessError(TrellisError):
+    """A served store refused the caller: no token, an unknown one, or a role that may not do
+    this (``trellisdb/tenants.py``)."""

@@ -62,10 +62,11 @@ def _rows(table: Any) -> dict[str, Any]:
 StepFn = Callable[[Mapping[str, Any]], Mapping[str, Any]]
 
 
-def build_server(db: Database, *, step: StepFn | None = None) -> MCPServer:
+def build_server(db: Database, *, step: StepFn | None = None, read_only: bool = False) -> MCPServer:
     """The MCP server of the open database ``db``. With ``step`` (the HTTP server's
     ``Service.step``), ``record_step`` hands each step to it instead of writing and flushing
-    itself, so MCP steps share the server's group commits with its other clients."""
+    itself, so MCP steps share the server's group commits with its other clients. ``read_only``
+    leaves out the writing tools (``record_step``, ``add_reward``, ``compare``): an analyst's."""
     mcp = MCPServer("trellisdb", instructions=(
         "An experience-graph store: attempts (nodes) with lineage, artifacts and rewards. Use `frontier` to pick "
         "what to expand, `record_step` to record what you did, `retrieve` to find similar past attempts with "
@@ -73,6 +74,9 @@ def build_server(db: Database, *, step: StepFn | None = None) -> MCPServer:
     writers: dict[str, SessionWriter] = {}
     lock = threading.Lock()
     tasks: dict[str, str] = {}  # with ``step``: the task of each session seen to exist
+
+    def writing(fn: Any) -> Any:  # a writing tool: registered unless the server is read-only
+        return fn if read_only else mcp.tool()(fn)
 
     def run(fn: Any, *args: Any, **kw: Any) -> Any:
         try:
@@ -134,7 +138,7 @@ def build_server(db: Database, *, step: StepFn | None = None) -> MCPServer:
         q = f"RETRIEVE {int(k)} {search}{expand} RETURN id, relation, hop, summary"
         return _rows(run(db.query, q, t=text).to_arrow())
 
-    @mcp.tool()
+    @writing
     def record_step(session: str, summary: str, task: str | None = None,
                     parents: list[str] | None = None, kind: str = "attempt",
                     artifacts: dict[str, str] | None = None, rewards: dict[str, float] | None = None,
@@ -177,7 +181,7 @@ def build_server(db: Database, *, step: StepFn | None = None) -> MCPServer:
         result: dict[str, Any] = run(write) if step is None else run(via_server, step)
         return result
 
-    @mcp.tool()
+    @writing
     def add_reward(session: str, node: str, channel: str, value: float) -> dict[str, Any]:
         """Score a node on a reward channel (a later score of the same channel supersedes it)."""
         def score() -> dict[str, Any]:
@@ -186,7 +190,7 @@ def build_server(db: Database, *, step: StepFn | None = None) -> MCPServer:
         out: dict[str, Any] = run(score)
         return out
 
-    @mcp.tool()
+    @writing
     def compare(session: str, a: str, b: str,
                 preferred: Annotated[str | None, Field(description="a, b, or null for a tie")],
                 margin: float | None = None) -> dict[str, Any]:
@@ -221,7 +225,7 @@ class McpHttp(NamedTuple):
 
 def http_app(db: Database, *, step: StepFn | None = None, token: str | None = None, path: str = "/mcp",
              host: str = "127.0.0.1", allowed_hosts: Sequence[str] | None = None,
-             max_body: int = DEFAULT_MAX_REQUEST_BODY_SIZE) -> McpHttp:
+             max_body: int = DEFAULT_MAX_REQUEST_BODY_SIZE, read_only: bool = False) -> McpHttp:
     """The MCP endpoint of ``db`` over streamable HTTP at ``path``, for ``trellis serve`` to mount.
 
     ``step``: the server's ``Service.step`` (``record_step`` joins its group commit). ``token``:
@@ -230,8 +234,9 @@ def http_app(db: Database, *, step: StepFn | None = None, token: str | None = No
     loopback name are refused (421: DNS-rebinding protection); ``allowed_hosts`` (``"name"``,
     ``"name:port"`` or ``"name:*"``) are allowed besides the loopback names, on any address; on a
     non-loopback one without them the check is off. ``max_body``: the largest MCP message, in
-    bytes (413 past it). Each call builds a fresh MCP server: its session manager runs once."""
-    server = build_server(db, step=step)
+    bytes (413 past it). ``read_only``: the reading tools only. Each call builds a fresh MCP
+    server: its session manager runs once."""
+    server = build_server(db, step=step, read_only=read_only)
     app: ASGIApp = server.streamable_http_app(
         streamable_http_path=path, max_request_body_size=max_body,
         transport_security=_transport_security(host, allowed_hosts))

@@ -31,7 +31,6 @@ Bearer <token>``.
 
 from __future__ import annotations
 
-import hmac
 import io
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -42,14 +41,16 @@ import pyarrow as pa
 
 from trellisdb import wire
 from trellisdb.errors import CorruptionError, ReadOnlyError, TrellisError, ValidationError
-from trellisdb.service import Service, result_table
+from trellisdb.service import Service, Services, field, need_of_call, need_of_query, result_table
 
 if TYPE_CHECKING:
     from starlette.applications import Starlette
     from starlette.requests import Request
     from starlette.responses import Response
+    from starlette.types import Receive, Scope, Send
 
     from trellisdb.database import Database
+    from trellisdb.tenants import Principal
 
 #: The largest request body accepted by default (a step with its artifacts; bulk data goes through ingest).
 MAX_BODY = 16 << 20
@@ -131,26 +132,36 @@ async def _body(request: Request, limit: int) -> dict[str, Any]:
 
 def build_app(db: Database, *, token: str | None = None, max_body: int = MAX_BODY, host: str = "127.0.0.1",
               allowed_hosts: Sequence[str] | None = None) -> Starlette:
-    """The HTTP application serving ``db`` (see the module notes): the REST routes under ``/v1``
-    and MCP at ``/mcp``. ``host`` is the address it is bound to and ``allowed_hosts`` the names
-    clients may reach it by (MCP's DNS-rebinding check; ``trellisdb/mcp_server.py``)."""
+    """The HTTP application serving ``db`` and its tenants (see the module notes): the REST routes
+    under ``/v1`` and MCP at ``/mcp``. ``host`` is the address it is bound to and ``allowed_hosts``
+    the names clients may reach it by (MCP's DNS-rebinding check; ``trellisdb/mcp_server.py``)."""
+    import anyio
     from starlette.applications import Starlette
     from starlette.concurrency import run_in_threadpool
+    from starlette.datastructures import Headers
     from starlette.responses import JSONResponse
     from starlette.routing import BaseRoute, Mount, Route
 
-    from trellisdb.mcp_server import http_app
+    from trellisdb.mcp_server import McpHttp, http_app
 
-    service = Service(db)
+    services = Services(db, token=token)
 
-    def guarded(handler: Callable[[Request], Awaitable[Response]]) -> Callable[[Request], Awaitable[Response]]:
+    def caller(authorization: str | None, need: str) -> Principal:
+        who = services.principal(authorization)
+        if who is None:
+            raise HttpError(401, "Unauthorized", "a valid 'Authorization: Bearer <token>' header is needed")
+        if not who.may(need):
+            raise HttpError(403, "Forbidden", f"token {who.name!r} is an {who.role} of tenant {who.tenant!r}; this "
+                                              f"needs the {need} right ({_ROLE_HELP})")
+        return who
+
+    def guarded(handler: Callable[[Request, Service, Principal], Awaitable[Response]],
+                need: str = "read") -> Callable[[Request], Awaitable[Response]]:
         async def endpoint(request: Request) -> Response:
             try:
-                if token is not None:
-                    given = request.headers.get("authorization", "")
-                    if not hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
-                        raise HttpError(401, "Unauthorized", "a valid 'Authorization: Bearer <token>' header is needed")
-                return await handler(request)
+                who = caller(request.headers.get("authorization"), need)
+                service = await run_in_threadpool(services.service, who.tenant)
+                return await handler(request, service, who)
             except HttpError as e:
                 return JSONResponse({"error": e.kind, "message": str(e)}, status_code=e.status)
             except TrellisError as e:
@@ -160,67 +171,139 @@ def build_app(db: Database, *, token: str | None = None, max_body: int = MAX_BOD
                                     status_code=500)
         return endpoint
 
-    async def health(request: Request) -> Response:
-        return _json(await run_in_threadpool(service.health))
+    async def health(request: Request, service: Service, who: Principal) -> Response:
+        return _json({**await run_in_threadpool(service.health), "tenant": who.tenant, "role": who.role})
 
-    async def query(request: Request) -> Response:
+    async def query(request: Request, service: Service, who: Principal) -> Response:
         body = await _body(request, max_body)
+        caller(request.headers.get("authorization"), need_of_query(body.get("tql")))
         return _table_response(await run_in_threadpool(service.query, body), body.get("format"))
 
-    async def sql(request: Request) -> Response:
+    async def sql(request: Request, service: Service, who: Principal) -> Response:
         body = await _body(request, max_body)
         return _table_response(await run_in_threadpool(service.sql, body), body.get("format"))
 
-    async def log(request: Request) -> Response:
+    async def log(request: Request, service: Service, who: Principal) -> Response:
         return _json(await run_in_threadpool(service.log))
 
-    def posted(work: Callable[[dict[str, Any]], Any]) -> Callable[[Request], Awaitable[Response]]:
-        """An endpoint taking a JSON body (wire-encoded values) and answering the work's result."""
-        async def handler(request: Request) -> Response:
+    def posted(work: Callable[[Service, dict[str, Any]], Any],
+               need: Callable[[dict[str, Any]], str] | None = None) -> Callable[[Request, Service, Principal],
+                                                                              Awaitable[Response]]:
+        """A handler taking a JSON body (wire-encoded values) and answering the work's result;
+        ``need``: the right a body asks for, beyond the route's own."""
+        async def handler(request: Request, service: Service, who: Principal) -> Response:
             body = wire.decode(await _body(request, max_body))
-            out = await run_in_threadpool(work, body)
+            if need is not None:
+                caller(request.headers.get("authorization"), need(body))
+            out = await run_in_threadpool(work, service, body)
             table = result_table(out)
             return _table_response(table, "arrow") if table is not None else _json(out)
         return handler
+
+    def tokens(work: Callable[[Principal, dict[str, Any]], Any]) -> Callable[[Request, Service, Principal],
+                                                                             Awaitable[Response]]:
+        async def handler(request: Request, service: Service, who: Principal) -> Response:
+            body = {} if request.method == "GET" else wire.decode(await _body(request, max_body))
+            return _json(await run_in_threadpool(work, who, body))
+        return handler
+
+    def make_token(who: Principal, body: dict[str, Any]) -> dict[str, Any]:
+        role = field(body, "role", str)
+        name = field(body, "name", str, optional=True)
+        secret = services.tokens.create(who.tenant, role, name=name)
+        made = services.tokens.lookup(secret)
+        assert made is not None
+        return {"token": secret, "name": made.name, "tenant": made.tenant, "role": made.role}
 
     routes: list[BaseRoute] = [
         Route("/v1/health", guarded(health), methods=["GET"]),
         Route("/v1/query", guarded(query), methods=["POST"]),
         Route("/v1/sql", guarded(sql), methods=["POST"]),
         Route("/v1/log", guarded(log), methods=["GET"]),
-        Route("/v1/steps", guarded(posted(service.step)), methods=["POST"]),
-        Route("/v1/call", guarded(posted(service.call)), methods=["POST"]),
-        Route("/v1/flush", guarded(posted(service.flush)), methods=["POST"]),
-        Route("/v1/sessions", guarded(posted(service.open_session)), methods=["POST"]),
-        Route("/v1/sessions/resume", guarded(posted(service.resume_session)), methods=["POST"]),
-        Route("/v1/sessions/close", guarded(posted(service.close_session)), methods=["POST"]),
-        Route("/v1/tx/begin", guarded(posted(service.begin)), methods=["POST"]),
-        Route("/v1/tx/commit", guarded(posted(lambda body: service.end(body, commit=True))), methods=["POST"]),
-        Route("/v1/tx/rollback", guarded(posted(lambda body: service.end(body, commit=False))), methods=["POST"]),
+        Route("/v1/steps", guarded(posted(Service.step), "write"), methods=["POST"]),
+        Route("/v1/call", guarded(posted(Service.call, need_of_call)), methods=["POST"]),
+        Route("/v1/flush", guarded(posted(Service.flush), "write"), methods=["POST"]),
+        Route("/v1/sessions", guarded(posted(Service.open_session), "write"), methods=["POST"]),
+        Route("/v1/sessions/resume", guarded(posted(Service.resume_session), "write"), methods=["POST"]),
+        Route("/v1/sessions/close", guarded(posted(Service.close_session), "write"), methods=["POST"]),
+        Route("/v1/tx/begin", guarded(posted(Service.begin), "write"), methods=["POST"]),
+        Route("/v1/tx/commit", guarded(posted(lambda s, b: s.end(b, commit=True)), "write"), methods=["POST"]),
+        Route("/v1/tx/rollback", guarded(posted(lambda s, b: s.end(b, commit=False)), "write"), methods=["POST"]),
+        Route("/v1/tokens", guarded(tokens(lambda who, b: services.tokens.list(who.tenant)), "admin"),
+              methods=["GET"]),
+        Route("/v1/tokens", guarded(tokens(make_token), "admin"), methods=["POST"]),
+        Route("/v1/tokens/revoke", guarded(tokens(lambda who, b: services.tokens.revoke(
+            field(b, "name", str), tenant=who.tenant)), "admin"), methods=["POST"]),
     ]
-    # MCP over streamable HTTP at /mcp, its steps group-committed with everyone's; mounted last
-    # ("/" takes every path the routes above do not)
-    mcp = http_app(db, step=service.step, token=token, host=host, allowed_hosts=allowed_hosts, max_body=max_body)
-    routes.append(Mount("/", app=mcp.app))
+
+    # MCP over streamable HTTP at /mcp: one MCP server per tenant and access (an analyst's has only
+    # the reading tools), made on first use, its session manager run in the app's task group; its
+    # steps join that tenant's group commit. Mounted last: "/" takes every path the routes do not.
+    mcp_apps: dict[tuple[str, bool], McpHttp] = {}
+    mcp_lock = anyio.Lock()
+    group: list[anyio.abc.TaskGroup] = []
+
+    async def mcp_for(who: Principal) -> McpHttp:
+        key = (who.tenant, not who.may("write"))
+        async with mcp_lock:
+            app = mcp_apps.get(key)
+            if app is None:
+                service = await run_in_threadpool(services.service, who.tenant)
+                app = http_app(service.db, step=service.step, host=host, allowed_hosts=allowed_hosts,
+                               max_body=max_body, read_only=key[1])
+
+                async def run_manager(*, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
+                                      ) -> None:
+                    async with app.lifespan():
+                        task_status.started()
+                        await anyio.sleep_forever()
+
+                await group[0].start(run_manager)
+                mcp_apps[key] = app
+            return app
+
+    async def mcp_endpoint(scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return
+        try:
+            if not scope["path"].startswith("/mcp"):
+                raise HttpError(404, "NotFound", f"no route {scope['path'][:200]!r}; see GET /v1/health, /v1/...,"
+                                                 " /mcp")
+            who = caller(Headers(scope=scope).get("authorization"), "read")
+            app = await mcp_for(who)
+        except HttpError as e:
+            headers = {"WWW-Authenticate": "Bearer"} if e.status == 401 else None
+            await JSONResponse({"error": e.kind, "message": str(e)}, status_code=e.status,
+                               headers=headers)(scope, receive, send)
+            return
+        await app.app(scope, receive, send)
+
+    routes.append(Mount("/", app=mcp_endpoint))
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        async with mcp.lifespan():  # the MCP session manager runs while the app does
+        async with anyio.create_task_group() as tg:
+            group.append(tg)
             try:
                 yield
             finally:
-                await run_in_threadpool(service.close)
+                tg.cancel_scope.cancel()
+                await run_in_threadpool(services.close)
 
     return Starlette(routes=routes, lifespan=lifespan)
 
 
+_ROLE_HELP = "agent: read and write sessions; analyst: read; admin: also views, exports, tags, ingest, tokens"
+
+
 def serve(path: str, *, host: str = "127.0.0.1", port: int = 7437, token: str | None = None,
-          max_body: int = MAX_BODY) -> None:
-    """Open the store at ``path`` and serve it until interrupted (``trellis serve``)."""
+          max_body: int = MAX_BODY, allowed_hosts: Sequence[str] | None = None,
+          export_root: str | None = None) -> None:
+    """Open the store at ``path`` and serve it (and its tenants) until interrupted (``trellis serve``)."""
     import uvicorn
 
     from trellisdb.database import open_local
 
-    with open_local(path) as db:
-        uvicorn.run(build_app(db, token=token, max_body=max_body, host=host), host=host, port=port,
-                    log_level="warning")
+    with open_local(path, export_root=export_root) as db:
+        app = build_app(db, token=token, max_body=max_body, host=host, allowed_hosts=allowed_hosts)
+        uvicorn.run(app, host=host, port=port, log_level="warning")

@@ -37,6 +37,7 @@ from trellisdb.writer import reward_value
 
 if TYPE_CHECKING:
     from trellisdb.database import Database
+    from trellisdb.tenants import Principal
     from trellisdb.writer import SessionWriter
 
 #: Seconds the committer waits after the first unflushed ticket, for others to join its commit.
@@ -402,3 +403,91 @@ def _export_args(db: Database, args: list[Any], kwargs: dict[str, Any]) -> tuple
 def result_table(value: Any) -> pa.Table | None:
     """The Arrow table of a call's result, when it is rows."""
     return value.to_arrow() if isinstance(value, Result) else None
+
+
+#: What each remote call needs of the caller's role (``tenants.Principal.may``).
+READS = frozenset({"tags", "resolve_as_of", "views", "view", "spaces", "index_status"})
+ADMIN = frozenset({"tag", "untag", "create_view", "materialize", "refresh", "drop_view", "export", "create_space",
+                   "build_index", "ingest"})
+
+
+def need_of_call(body: Mapping[str, Any]) -> str:
+    """``read``, ``write`` or ``admin``: what a ``/v1/call`` body asks of the caller."""
+    method = body.get("method")
+    if body.get("session") is not None:
+        return "write"
+    return "read" if method in READS else "admin" if method in ADMIN else "write"
+
+
+def need_of_query(text: object) -> str:
+    """What a TQL text asks: view statements other than SHOW VIEWS change the store (``admin``)."""
+    from trellisdb.errors import QueryError
+    from trellisdb.tql import ast as A
+    from trellisdb.tql.parser import parse
+
+    if not isinstance(text, str):
+        return "read"  # the query call refuses it
+    try:
+        statement = parse(text).statement
+    except QueryError:
+        return "read"  # the query call raises the error, with its position
+    return "admin" if isinstance(statement, A.ViewCommand) and statement.action != "show" else "read"
+
+
+class Services:
+    """The tenants of a served folder: each tenant's store opened on first use, with its own
+    :class:`Service` (so its own group commit); the caller of a request resolved from its token
+    (``trellisdb/tenants.py``).
+
+    ``token``: one shared token (``trellis serve --token``), the default tenant's admin. With
+    neither it nor a token in the registry, the server is open: every caller is that admin."""
+
+    def __init__(self, db: Database, *, token: str | None = None, window: float = WINDOW) -> None:
+        from trellisdb.tenants import DEFAULT_TENANT, Tokens
+
+        self.root = db.path
+        self.tokens = Tokens(self.root)
+        self._token = token
+        self._window = window
+        self._lock = threading.Lock()
+        self._services: dict[str, Service] = {DEFAULT_TENANT: Service(db, window=window)}
+        self._opened: list[Database] = []
+
+    def principal(self, authorization: str | None) -> Principal | None:
+        """Who sends ``Authorization: <authorization>`` (None: nobody we know)."""
+        import hmac
+
+        from trellisdb.tenants import DEFAULT_TENANT, Principal
+
+        given = (authorization or "").removeprefix("Bearer ").strip() if authorization else None
+        if given:
+            if self._token is not None and hmac.compare_digest(given.encode(), self._token.encode()):
+                return Principal("server-token", DEFAULT_TENANT, "admin")
+            return self.tokens.lookup(given)
+        if self._token is None and not self.tokens.enabled():
+            return Principal("anonymous", DEFAULT_TENANT, "admin")
+        return None
+
+    def service(self, tenant: str) -> Service:
+        """The service of ``tenant``'s store (opened, and created, on first use)."""
+        from trellisdb.database import open_local
+        from trellisdb.tenants import tenant_path
+
+        with self._lock:
+            s = self._services.get(tenant)
+            if s is None:
+                db = open_local(tenant_path(self.root, tenant))
+                self._opened.append(db)
+                s = self._services[tenant] = Service(db, window=self._window)
+            return s
+
+    def services(self) -> list[tuple[str, Service]]:
+        with self._lock:
+            return list(self._services.items())
+
+    def close(self) -> None:
+        """Stop every tenant's service; close the stores this opened (the default one is the caller's)."""
+        for _, s in self.services():
+            s.close()
+        for db in self._opened:
+            db.close()
