@@ -103,7 +103,7 @@ def test_errors_are_clear_and_the_server_keeps_serving(server: tuple[str, Path])
             db.record_step(session="bad\x00id", task="t", summary="x")
         assert db.record_step(session="e", task="t", id="whole", summary="x", rewards={"score": 1.0})["id"] == "whole"
         assert db.sql("SELECT id FROM nodes_history WHERE id IN ('half', 'whole')").to_pylist() == [{"id": "whole"}]
-    with RemoteDatabase(url, token="wrong") as bad, pytest.raises(RemoteError, match="Bearer"):
+    with RemoteDatabase(url, token="wrong") as bad, pytest.raises(trellisdb.AccessError, match="Bearer"):
         bad.health()
     h = {"authorization": f"Bearer {TOKEN}"}
     r = httpx.post(f"{url}/v1/query", content=b"{not json", headers=h)
