@@ -213,7 +213,7 @@ def test_a_format_1_store_is_upgraded_in_place_by_a_writable_open(tmp_path: Path
     assert json.loads((path / "trellis.json").read_text())["format_version"] == 1  # the refusal changed nothing
     db = trellisdb.connect(path)
     try:
-        assert json.loads((path / "trellis.json").read_text())["format_version"] == 2
+        assert json.loads((path / "trellis.json").read_text())["format_version"] == 3
         assert db.verify() == []
         # every row is there, the WAL's included; old rows order by their commit, then id, and a node
         # rewritten before the upgrade (root's status change) by that rewrite, as format 1 ordered them

@@ -99,7 +99,7 @@ def test_session_api_round_trips_every_table(db: trellisdb.Database) -> None:
         order[r["id"]] = r.pop("seq")
         del r["born"], r["ordinal"]
     assert sorted(order, key=order.__getitem__) == ["root", "a", "b", "c", gen]  # the insertion order
-    step = {"event_time": None, "action": None, "state": None}
+    step = {"event_time": None, "action": None, "state": None, "provenance": "api"}  # provenance: the handle's
     assert nodes["root"] == {
         "id": "root", "session_id": "s1", "task_id": "pack", "kind": "attempt", "step": 1, "status": "expanded",
         "summary": "initial program", "tokens_in": 100, "tokens_out": 250, "seconds": 1.5, "usd": 0.125,
@@ -309,7 +309,7 @@ def test_ingest_round_trips_every_table_in_one_commit(db: trellisdb.Database) ->
         {"id": ids[i], "session_id": "sb", "task_id": "bulk", "kind": "attempt", "step": i, "status": "evaluated",
          "summary": f"s{i}", "tokens_in": i, "tokens_out": None, "seconds": None, "usd": i / 4, "source": None,
          "embedding": [float(i), 0.5, -1.0, 0.25], "created_at": None, "born": None, "ordinal": i, "event_time": None,
-         "action": None, "state": None}
+         "action": None, "state": None, "provenance": "api"}
         for i in range(n)
     ]
     assert db.sql("SELECT embedding FROM nodes_full").to_arrow().schema.field("embedding").type == pa.list_(pa.float32(), 4)

@@ -405,7 +405,7 @@ def test_format_version_999(tmp_path: Path) -> None:
     trellisdb.connect(tmp_path / "db", embedding_dim=4).close()
     marker = tmp_path / "db" / "trellis.json"
     meta = json.loads(marker.read_text())
-    assert meta["format_version"] == 2
+    assert meta["format_version"] == 3
     meta["format_version"] = 999
     marker.write_text(json.dumps(meta))
     with pytest.raises(trellisdb.FormatVersionError, match="999"):

@@ -107,7 +107,10 @@ def test_a_refresh_reads_only_the_members() -> None:
     ``__members`` only (the scan the TQL base starts from, narrowed)."""
     spec = ViewSpec.from_dict({"name": "v", "kind": "preference", "reward": R})
     base = sql.base(spec, CATALOG, CATALOG.last_commit)
-    scan, narrowed = "s0 AS (SELECT * FROM nodes)", "s0 AS MATERIALIZED (SELECT * FROM nodes WHERE id IN (SELECT id FROM __members))"
+    trusted = ("nodes ANTI JOIN (SELECT node_id FROM labels WHERE label = 'trellis:quarantined') AS __q "
+               "ON __q.node_id = nodes.id")  # a view leaves out the quarantined nodes
+    scan, narrowed = f"s0 AS (SELECT * FROM {trusted})", \
+        f"s0 AS MATERIALIZED (SELECT * FROM {trusted} WHERE id IN (SELECT id FROM __members))"
     assert scan in base.full and narrowed in base.members
     text = statement(spec, base, {"__members": _EMPTY, "__group_edges": _EMPTY})
     assert narrowed in text and scan not in text

@@ -18,7 +18,7 @@ from trellisdb.errors import (
     UnknownSessionError,
     ValidationError,
 )
-from trellisdb.names import bad_names, utf8_problem
+from trellisdb.names import bad_names, reserved_names, utf8_problem
 from trellisdb.rules import (
     EDGE_KINDS,
     EMBEDDING_DIMENSION,
@@ -181,15 +181,23 @@ class _Lookups:
 
 
 def prepare_bulk(snap: Snapshot, dim: int, tables: Mapping[str, pa.Table],
-                 known: Known | None = None) -> dict[str, pa.Table]:
+                 known: Known | None = None, provenance: str | None = None) -> dict[str, pa.Table]:
     """``tables`` conformed and checked for an ingest (see ``Database.ingest``); ``known``
-    answers the store questions it can from the writer's memory."""
+    answers the store questions it can from the writer's memory. Nodes without a ``provenance``
+    column get ``provenance`` (the writer's)."""
     unknown = set(tables) - set(DATA_TABLES)
     if unknown:
         raise ValidationError(f"unknown table(s) {sorted(unknown)}; tables are {list(DATA_TABLES)}")
-    out = {n: conform(n, _defaults(n, t), dim) for n, t in tables.items()}
+    out = {n: conform(n, _defaults(n, t, provenance), dim) for n, t in tables.items()}
     for n, t in out.items():
         check_values(n, t)
+    # trellisdb's own labels and attribute keys (trellis:quarantined ...) are written by quarantine / release
+    if "labels" in out:
+        reserved_names(out["labels"].column("label"), "labels.label")
+    if "attributes" in out:
+        reserved_names(out["attributes"].column("key"), "attributes.key")
+    if "nodes" in out:
+        bad_names(out["nodes"].column("provenance"), "nodes.provenance")
     if "attributes" in out:
         out["attributes"] = _attribute_columns(out["attributes"])
     empty = pa.array([], pa.string())
@@ -273,9 +281,10 @@ _SYSTEM_COLUMNS = {"nodes": ("born", "ordinal")}
 _DEFAULTS = {"attributes": ("retracted", False), "labels": ("present", True)}
 
 
-def _defaults(name: str, t: pa.Table) -> pa.Table:
+def _defaults(name: str, t: pa.Table, provenance: str | None = None) -> pa.Table:
     """``t`` with the columns trellisdb sets itself: a node's insertion order is its row's
-    position (``ordinal``; ``born`` is the commit); a defaultable required column filled in."""
+    position (``ordinal``; ``born`` is the commit), its ``provenance`` the writer's unless the
+    table gives one; a defaultable required column filled in."""
     given = [c for c in _SYSTEM_COLUMNS.get(name, ()) if c in t.column_names]
     if given:
         raise ValidationError(
@@ -284,6 +293,8 @@ def _defaults(name: str, t: pa.Table) -> pa.Table:
         )
     if name == "nodes":
         t = t.append_column("ordinal", pa.array(range(t.num_rows), pa.int64()))
+        if "provenance" not in t.column_names:
+            t = t.append_column("provenance", pa.array([provenance] * t.num_rows, pa.string()))
     if name in _DEFAULTS and _DEFAULTS[name][0] not in t.column_names:
         col, value = _DEFAULTS[name]
         t = t.append_column(col, pa.array([value] * t.num_rows, pa.bool_()))

@@ -71,8 +71,12 @@ CHECKPOINT_COMMITS = 2000
 #: ... or once no commit came for this many seconds.
 CHECKPOINT_DELAY = 1.0
 #: The columns of a node's latest row that a rewrite (a status change) copies: ``born`` resolved
-#: to the commit that first wrote the node, so the rewrite keeps the node's insertion order.
+#: to the commit that first wrote the node, so the rewrite keeps the node's insertion order; the
+#: others as they are (``provenance`` among them: a rewrite keeps who wrote the node).
 _REWRITE = "* EXCLUDE (commit_id, born, seq), coalesce(born, commit_id) AS born"
+#: The ``provenance`` of the nodes a handle writes unless a session names another
+#: (``connect(provenance=...)``, ``db.session(provenance=...)``).
+DEFAULT_PROVENANCE = "api"
 #: An artifact hash as trellisdb writes it (sha256, lower-case hex).
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 #: Artifact hashes confirmed stored, kept to answer repeated duplicates without a query.
@@ -147,6 +151,8 @@ class Committer:
         self.compact_fragments = compact_fragments
         self.indexing = indexing
         self.after_commit = after_commit
+        #: the provenance of the nodes written without one of their own (a session's)
+        self.provenance: str | None = DEFAULT_PROVENANCE
         self._writer_name = f"{socket.gethostname()}:{os.getpid()}"
         self._state_lock = threading.RLock()
         self._pending = Batch()
@@ -159,6 +165,8 @@ class Committer:
         self._known_ids: dict[str, set[str]] = {"sessions": set(), "tasks": set()}
         #: artifact hashes confirmed stored (a bounded cache: duplicates recur)
         self._known_hashes: set[str] = set()
+        #: the last purge (``LogState.purged``) the caches above have been emptied after
+        self._purge_seen = 0
         #: fingerprints of the stored artifacts, as of commit ``_fp_upto`` (-1: not loaded) and
         #: this writer's commits above it
         self._fingerprints = Fingerprints()
@@ -613,6 +621,7 @@ class Committer:
         # Under the state lock: a group commit moving rows from pending to the
         # store must not make them invisible to this check half-way.
         with self._state_lock:
+            self._after_purge()
             batches = self.batches()
             todo = [i for i in ids if i not in self._known_nodes and not any(i in b.nodes for b in batches)]
             if not todo:
@@ -666,6 +675,7 @@ class Committer:
         rest is unknown (a query decides). Node ids and artifact hashes absent by their
         fingerprints (no false negatives; caught up with the log first), node ids present
         when known; session and task ids present when this writer committed them."""
+        self._after_purge()
         if (table, col) == ("nodes", "id"):
             present = {v for v in values if v in self._known_nodes}
             rest = [v for v in values if v not in present]
@@ -710,6 +720,7 @@ class Committer:
         """Whether artifact ``h`` is stored or pending in the group batch: from memory (the
         fingerprints of every stored artifact, ``membership.py``) unless a fingerprint matches,
         which a query confirms (and a bounded cache of confirmed ones remembers)."""
+        self._after_purge()
         if h in self._known_hashes or h in self._pending.hashes:
             return True
         with self._fp_lock:
@@ -813,6 +824,46 @@ class Committer:
         rows = self.lookup("SELECT coalesce(max(step), 0) AS s FROM nodes WHERE session_id = $1", [session_id])
         pending = [r["step"] or 0 for b in self.batches() for r in b.nodes.values() if r["session_id"] == session_id]
         return max([int(rows[0]["s"]), *pending])
+
+    # --------------------------------------------------------------- purge
+    def begin_purge(self, sessions: Sequence[str]) -> None:
+        """Log that a purge of ``sessions`` begins (writer lock held, log refreshed): until its
+        audit commit (:meth:`end_purge`) the log's ``purging`` names them, so that ``verify``
+        reports a purge a crash interrupted, and a purge run again finishes it."""
+        self.store.log.append([{"op": "purge-begin", "sessions": list(sessions)}])
+        self.store.log.refresh()
+
+    def end_purge(self, meta: dict[str, Any]) -> int:
+        """Append a purge's audit commit (no rows, message "purge", ``meta``) to the commit log
+        itself (writer lock held, the WAL checkpointed), and forget what this writer remembered
+        of committed rows; returns its id. Its ``"purge": true`` tells every reader, in any
+        process, that rows were deleted: they drop what they mirrored (``reader.py``)."""
+        s = self.store
+        mark = s.log.repair_tail()
+        if s.log.state.wal.frames:  # a record in the log says Lance holds every commit below it
+            self._checkpoint_locked()
+        cid = s.guard.next_id(s.log.state, mark)
+        s.log.append([{"op": "commit", "id": cid, "time": time.time(), "writer": self._writer_name,
+                       "session": None, "message": "purge", "meta": meta, "rows": 0, "purge": True}])
+        s.log.refresh()
+        self.forget()
+        return cid
+
+    def forget(self) -> None:
+        """Drop what this writer remembers of committed rows (a purge deleted some): the node,
+        session and task ids known committed and the artifact hashes confirmed stored. The
+        fingerprints stay: they only say "maybe stored", and a query decides."""
+        with self._state_lock:
+            self._purge_seen = max(self._purge_seen, self.store.log.state.purged)
+            self._known_nodes.clear()
+            for ids in self._known_ids.values():
+                ids.clear()
+            self._known_hashes.clear()
+
+    def _after_purge(self) -> None:
+        """Forget (:meth:`forget`) once the log shows a purge not seen yet (another process's)."""
+        if self.store.log.state.purged > self._purge_seen:
+            self.forget()
 
     # --------------------------------------------------------------- close
     def close(self) -> None:

@@ -32,9 +32,9 @@ import pyarrow as pa
 from trellisdb import writer
 from trellisdb.asof import AsOf
 from trellisdb.batch import Batch
-from trellisdb.committer import Committer, Transaction
+from trellisdb.committer import DEFAULT_PROVENANCE, Committer, Transaction
 from trellisdb.errors import ValidationError
-from trellisdb.names import check_text, name_problem
+from trellisdb.names import check_name, check_text, name_problem
 from trellisdb.paths import check_root, confined, default_root
 from trellisdb.reader import commits_table
 from trellisdb.result import Result
@@ -79,6 +79,7 @@ def connect(
     keep_memory: int | None = None,
     read_only: bool = False,
     export_root: str | os.PathLike[str] | None = None,
+    provenance: str | None = DEFAULT_PROVENANCE,
 ) -> Database | RemoteDatabase:
     """Open a database: a folder path (embedded; :func:`open_local` explains the options) or
     the URL of a server (``http://host:port``, ``https://...``: ``trellis serve``) with its
@@ -97,7 +98,7 @@ def connect(
     local = {"embedding_dim": embedding_dim, "commit_delay": commit_delay, "max_batch_rows": max_batch_rows,
              "auto_compact": auto_compact, "compact_fragments": compact_fragments, "create": create,
              "mirror": mirror, "auto_index": auto_index, "keep_memory": keep_memory, "read_only": read_only,
-             "export_root": export_root}
+             "export_root": export_root, "provenance": provenance}
     if isinstance(target, str) and target.lower().startswith(("http://", "https://")):
         given = sorted(k for k, v in local.items() if v != _LOCAL_DEFAULTS[k])
         if given:
@@ -110,7 +111,8 @@ def connect(
         raise ValidationError("token is for a server's URL (http://...); an embedded store has none")
     return open_local(target, embedding_dim=embedding_dim, commit_delay=commit_delay, max_batch_rows=max_batch_rows,
                       auto_compact=auto_compact, compact_fragments=compact_fragments, create=create, mirror=mirror,
-                      auto_index=auto_index, keep_memory=keep_memory, read_only=read_only, export_root=export_root)
+                      auto_index=auto_index, keep_memory=keep_memory, read_only=read_only, export_root=export_root,
+                      provenance=provenance)
 
 
 def open_local(
@@ -127,8 +129,12 @@ def open_local(
     keep_memory: int | None = None,
     read_only: bool = False,
     export_root: str | os.PathLike[str] | None = None,
+    provenance: str | None = DEFAULT_PROVENANCE,
 ) -> Database:
     """Open the database in folder ``path``, creating it if needed.
+
+    ``provenance`` is who the handle writes as: the ``provenance`` of the nodes it writes
+    (default ``'api'``; a session may name another, ``db.session(provenance=...)``).
 
     ``read_only=True`` opens an existing database for reading only: every write,
     tag, view change, export and maintenance call raises ``ReadOnlyError``, and
@@ -185,6 +191,7 @@ def open_local(
         keep_memory=keep_memory,
         read_only=read_only,
         export_root=export_root,
+        provenance=provenance,
     )
 
 
@@ -215,7 +222,9 @@ class Database:
         keep_memory: int | None = None,
         read_only: bool = False,
         export_root: str | os.PathLike[str] | None = None,
+        provenance: str | None = DEFAULT_PROVENANCE,
     ) -> None:
+        check_name(provenance, "provenance", optional=True)
         self._store = Store(path, embedding_dim=embedding_dim, create=create, read_only=read_only, mirror=mirror,
                             keep_memory=keep_memory)
         self.path = path
@@ -227,6 +236,7 @@ class Database:
         self._committer = Committer(self._store, self._reads, commit_delay=commit_delay,
                                     max_batch_rows=max_batch_rows, auto_compact=auto_compact,
                                     compact_fragments=compact_fragments)
+        self._committer.provenance = provenance
         self._reads.checkpoint = self._committer.checkpoint
         self._vectors = Vectors(self._store, self._reads, self._committer, auto_index=auto_index)
         self._committer.indexing = self._vectors.indexing
@@ -246,6 +256,7 @@ class Database:
         task_spec: str | None = None,
         at: object = None,
         attrs: Mapping[str, Any] | None = None,
+        provenance: str | None = None,
     ) -> SessionWriter:
         """Start a session of ``agent`` on ``task`` (created if new); returns its writer.
 
@@ -256,14 +267,16 @@ class Database:
         ``config`` where given, are its own; otherwise it is an error (use
         :meth:`resume`, or a new id): a session is never silently rewritten.
         ``at`` is its event time (when it started in the agent's world), ``attrs``
-        its attributes (see :meth:`set_attrs`).
+        its attributes (see :meth:`set_attrs`). ``provenance`` is who writes through it (the
+        ``provenance`` of its nodes, e.g. ``'token:alice'``; default: the handle's, ``'api'``).
         """
         return writer.open_session(self._committer, task=task, agent=agent, model=model, config=config, id=id,
-                                   task_spec=task_spec, at=at, attrs=attrs)
+                                   task_spec=task_spec, at=at, attrs=attrs, provenance=provenance)
 
-    def resume(self, session_id: str) -> SessionWriter:
-        """A writer for an existing session (e.g. after the agent restarted)."""
-        return writer.resume_session(self._committer, session_id)
+    def resume(self, session_id: str, *, provenance: str | None = None) -> SessionWriter:
+        """A writer for an existing session (e.g. after the agent restarted); ``provenance`` as
+        in :meth:`session`."""
+        return writer.resume_session(self._committer, session_id, provenance)
 
     def add_task(self, id: str, *, name: str | None = None, spec: str | None = None,
                  tags: Sequence[str] | None = None, embedding: Sequence[float] | None = None) -> str:
@@ -294,6 +307,21 @@ class Database:
     def unlabel(self, node_ids: str | Sequence[str], *labels: str, at: object = None) -> None:
         """Remove memberships (see ``SessionWriter.unlabel``)."""
         writer.write_labels(self._committer, node_ids, labels, False, at, None)
+
+    def quarantine(self, node_ids: str | Sequence[str], reason: str | None = None, *, at: object = None) -> None:
+        """Quarantine nodes (a poisoned or unverified write): RETRIEVE (seeds and EXPAND),
+        FRONTIER and the training views leave them out from this commit on, unless a query
+        says ``INCLUDE QUARANTINED`` (a view ``include_quarantined=True``). Commit-stamped like
+        every fact: the reserved label ``trellis:quarantined`` (``has_label`` / ``quarantined()``
+        in TQL) and, with a ``reason``, the attribute ``trellis:quarantine_reason``. See
+        ``docs/data-model.md``, Provenance and trust; a write can be held from its first commit with
+        ``add_node(quarantine=...)``."""
+        writer.write_quarantine(self._committer, node_ids, True, reason, at, None)
+
+    def release(self, node_ids: str | Sequence[str], *, at: object = None) -> None:
+        """Release quarantined nodes (retrieved, ranked and trained on again from this commit
+        on; ``AS OF`` an earlier moment still leaves them out). The reason is retracted."""
+        writer.write_quarantine(self._committer, node_ids, False, None, at, None)
 
     def in_transaction(self) -> bool:
         return self._committer.in_transaction()
@@ -331,12 +359,15 @@ class Database:
             yield tx
 
     def ingest(
-        self, tables: Mapping[str, pa.Table], message: str | None = None, meta: Mapping[str, Any] | None = None
+        self, tables: Mapping[str, pa.Table], message: str | None = None, meta: Mapping[str, Any] | None = None,
+        *, provenance: str | None = None,
     ) -> int:
         """Bulk-write whole Arrow tables (any subset of the data tables) as one commit.
 
         Columns are matched by name; missing nullable columns are filled with
-        nulls. Parents of edges must exist in the batch or the database. Writes
+        nulls (a ``nodes`` table without ``provenance`` gets the handle's; ``provenance`` given
+        replaces the table's: a server writes who sent the rows). Parents of edges
+        must exist in the batch or the database. Writes
         still pending in the group commit are committed first (as a transaction
         does), so the ingest can refer to them and never reuses their ids.
         """
@@ -345,8 +376,15 @@ class Database:
         from trellisdb.bulk import prepare_bulk
 
         checked = commit_meta(meta)
+        check_name(provenance, "provenance", optional=True)
+        if provenance is not None and isinstance(tables, Mapping) and isinstance(tables.get("nodes"), pa.Table):
+            nodes = tables["nodes"]
+            if "provenance" in nodes.column_names:
+                nodes = nodes.drop_columns(["provenance"])
+            tables = {**tables, "nodes": nodes}
         self._committer.flush()
-        prepared = prepare_bulk(self._reads.at(), self.embedding_dim, tables, known=self._committer.known)
+        prepared = prepare_bulk(self._reads.at(), self.embedding_dim, tables, known=self._committer.known,
+                                provenance=provenance or self._committer.provenance)
         return self._committer.commit(Batch(), message, extra=prepared, meta=checked)
 
     def compact(self, prune_older_than: dt.timedelta = PRUNE_GRACE) -> dict[str, Any]:
@@ -354,6 +392,24 @@ class Database:
         than ``prune_older_than`` (default 5 minutes: readers in other processes
         may still scan them; pass ``timedelta(0)`` when nothing else reads)."""
         return self._committer.compact(prune_older_than)
+
+    def purge(self, session: str | Sequence[str] | None = None, *, task: str | None = None) -> dict[str, Any]:
+        """Delete a session's data (or several sessions', or every session of ``task``) from
+        every stored version: its nodes, their edges, rewards, comparisons, attributes, labels,
+        vectors and the artifacts no other node links, the session's row, the views' rows
+        derived from them (views are computed again) and the exports naming them, with an
+        audit commit in the log (message ``purge``; the meta names the sessions and counts the
+        rows). ``AS OF`` any earlier commit no longer shows them. Irreversible.
+
+        An admin operation (``trellisdb/purge.py``): it holds the writer lock throughout, and
+        removes every old physical version at once, so readers in other processes may get an
+        error while it runs (they must reopen); after it, their next query starts over. Stop the
+        purged sessions' writers first. A purge a crash interrupted is named by ``verify`` and
+        finished by the next purge. Returns what went (``rows`` per table, ``commit``, ...)."""
+        from trellisdb.purge import purge
+
+        return purge(self._store, self._reads, self._committer, self._vectors, self._views, session, task=task,
+                     export_roots=[self.export_root])
 
     def tag(self, name: str, commit: int | None = None, *, move: bool = False) -> int:
         """Name a commit (default: the latest); return its id.

@@ -32,6 +32,16 @@ batch is committed, or, in the commit log, at every later read. A
 
 ``bad_names`` applies the name rules to a whole Arrow column at once (bulk
 ingest).
+
+Labels and attribute keys starting with ``trellis:`` (``SYSTEM_PREFIX``) belong to trellisdb
+itself: ``trellis:quarantined`` marks a quarantined node (``docs/data-model.md``, Trust), and only
+``quarantine`` / ``release`` write it. A caller's label, unlabel, attribute or ingest naming one is
+refused (``check_not_reserved``, ``reserved_names``)::
+
+    >>> check_not_reserved("trellis:quarantined", "label")
+    Traceback (most recent call last):
+    ...
+    trellisdb.errors.ValidationError: label 'trellis:quarantined' is reserved: names starting 'trellis:' belong to trellisdb (quarantine a node with db.quarantine(ids, reason=...), release it with db.release(ids))
 """
 
 from __future__ import annotations
@@ -55,6 +65,19 @@ _FORBIDDEN = "\x00-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069"
 _FORBIDDEN_RE = re.compile(f"[{_FORBIDDEN}]")
 #: The same class for Arrow's RE2 (which takes ``\\x{...}`` escapes).
 _FORBIDDEN_RE2 = r"[\x{0}-\x{1f}\x{7f}-\x{9f}\x{2028}\x{2029}\x{202a}-\x{202e}\x{2066}-\x{2069}]"
+
+#: Labels and attribute keys starting with this belong to trellisdb: callers may not write them.
+SYSTEM_PREFIX = "trellis:"
+#: The label of a quarantined node (a held write, or one found poisoned): RETRIEVE, FRONTIER and
+#: the training views leave such nodes out unless asked (``INCLUDE QUARANTINED``).
+QUARANTINED = "trellis:quarantined"
+#: The node attribute holding why a node was quarantined (JSON text; retracted on release).
+QUARANTINE_REASON = "trellis:quarantine_reason"
+#: The session attribute naming who opened the session (its writer's provenance, when it named
+#: one): a served store's agents may write only the sessions their token opened.
+SESSION_PROVENANCE = "trellis:provenance"
+_RESERVED_HINT = ("names starting 'trellis:' belong to trellisdb (quarantine a node with db.quarantine(ids, "
+                  "reason=...), release it with db.release(ids))")
 
 
 def utf8_problem(value: str) -> str | None:
@@ -131,6 +154,23 @@ def bad_names(column: pa.ChunkedArray | pa.Array, what: str) -> None:
     if pc.any(bad).as_py():
         first = pc.filter(column, bad)[0].as_py()
         check_name(first, what)  # raises with the value's own reason
+
+
+def check_not_reserved(value: str, what: str) -> None:
+    """Refuse a label or attribute key of trellisdb's own (``SYSTEM_PREFIX``) given by a caller."""
+    if value.startswith(SYSTEM_PREFIX):
+        raise ValidationError(f"{what} {value!r} is reserved: {_RESERVED_HINT}")
+
+
+def reserved_names(column: pa.ChunkedArray | pa.Array, what: str) -> None:
+    """``check_not_reserved`` over a whole string column (bulk ingest; nulls pass)."""
+    if isinstance(column, pa.ChunkedArray):
+        column = column.combine_chunks()
+    if not len(column) or column.null_count == len(column):
+        return
+    bad = pc.starts_with(column, pattern=SYSTEM_PREFIX)
+    if pc.any(bad).as_py():
+        check_not_reserved(pc.filter(column, bad)[0].as_py(), what)
 
 
 def did_you_mean(name: str, options: Iterable[str]) -> str:

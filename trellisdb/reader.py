@@ -288,7 +288,11 @@ class SqlEngine:
         self._superseded: set[str] = set()
         #: the edges as adjacency arrays (built by the first walk) and the lock its extension holds
         self._adj: Adjacency | None = None
-        self._adj_lock = threading.Lock()
+        self._adj_lock = threading.RLock()  # re-entrant: a walk's query may find a purge (``reset``)
+        #: bumped by ``reset`` (a purge deleted rows): each thread's connection starts over on its next query
+        self._generation = 0
+        #: the last purge (its audit commit, ``LogState.purged``) this engine has started over after
+        self._purge_seen = 0
         #: the ``commits`` relation, shared by the threads' connections
         self._commits = CommitsRelation()
 
@@ -327,6 +331,10 @@ class SqlEngine:
         Only the views of ``tables`` are guaranteed current: an internal
         lookup that reads one table refreshes only that table's mirror."""
         con = self._con()
+        self._after_purge(state)
+        if getattr(self._local, "generation", 0) != self._generation:  # a purge: re-read every manifest,
+            self._local.generation = self._generation  # re-create every view
+            self._local.log_key = self._local.views_key = None
         wal = state.wal  # before the checkouts: Lance holds every row of the commits up to wal.upto
         aborted = state.aborted(below=snapshot)
         registered: dict[str, int] = getattr(self._local, "registered", {})
@@ -425,6 +433,7 @@ class SqlEngine:
         """The committed edges as of ``state`` as adjacency arrays (``trellisdb/graph.py``):
         built on first use, then extended by the edge rows of the commits since."""
         with self._adj_lock:
+            self._after_purge(state)  # before the adjacency is read: it may hold purged edges
             adj = self._adj
             last = state.last_committed
             if adj is not None and adj.upto >= last:
@@ -437,6 +446,45 @@ class SqlEngine:
             adj = Adjacency.build(rows, last) if adj is None else adj.extended(rows, last)
             self._adj = adj
             return adj
+
+    def _after_purge(self, state: LogState) -> None:
+        """Start over (``reset``) if the log records a purge this engine has not seen yet
+        (made by this process or another)."""
+        if state.purged > self._purge_seen:  # read unlocked (an int); checked again under the locks
+            self.reset(state.purged)
+
+    def reset(self, purge: int | None = None) -> None:
+        """Forget every row mirrored and everything derived from the tables' rows (the mirror and
+        its watermarks, the supersessions, the adjacency), and make each thread's connection
+        re-read the Lance manifests and re-create its views before its next query. A purge
+        deleted rows, which nothing else does (mirrored rows never change otherwise); the next
+        query naming a table copies it again. ``purge``: the purge's audit commit, now seen
+        (nothing is done if it was seen already: threads that find it at once reset once)."""
+        with self._adj_lock, self._lock:
+            if purge is not None:
+                if purge <= self._purge_seen:
+                    return
+                self._purge_seen = purge
+            self._generation += 1
+            self._upto.clear()
+            self._mark.clear()
+            self._superseded.clear()
+            self._broken.clear()
+            self._adj = None
+            # until a table is copied again its views read Lance (``prepare``: not in ``_upto``)
+            con = self._db.cursor()
+            try:
+                for name in DATA_TABLES:
+                    con.execute(f"DROP TABLE IF EXISTS __mir_{name}")
+                    con.execute(f"DROP TABLE IF EXISTS __sup_{name}")
+            finally:
+                con.close()
+
+    def saw_purge(self, purge: int) -> None:
+        """Record that purge ``purge`` (its audit commit) needs no ``reset``: the purging
+        handle reset its engine once the rows were gone, before its audit commit."""
+        with self._lock:
+            self._purge_seen = max(self._purge_seen, purge)
 
     def _refresh(
         self, con: duckdb.DuckDBPyConnection, snapshot: int, aborted: list[int], top: int,

@@ -16,10 +16,11 @@ import functools
 
 import pyarrow as pa
 
-#: Version of the on-disk format. 2 added the columns of ``ADDED`` and the tables
-#: ``attributes`` and ``labels``; a version-1 store is upgraded in place when a writable
-#: handle opens it (``upgrade.py``: metadata-only, no row is rewritten).
-FORMAT_VERSION = 2
+#: Version of the on-disk format. 2 added the insertion order, event time and step-record columns
+#: of ``ADDED`` and the tables ``attributes`` and ``labels``; 3 added ``nodes.provenance`` (who
+#: wrote a node). A store of version 1 or 2 is upgraded in place when a writable handle opens it
+#: (``upgrade.py``: metadata-only, no row is rewritten).
+FORMAT_VERSION = 3
 
 TS = pa.timestamp("us", tz="UTC")
 
@@ -179,8 +180,9 @@ _FIELDS = {
 
 _AT = _f("event_time", TS, "event time: when it happened in the agent's world (null: not given); commit time is the commit's")
 
-#: Columns format version 2 added to version-1 tables. They follow ``commit_id`` so that a
-#: table upgraded in place (Lance appends added columns) and a new one have the same order.
+#: Columns added after format version 1, in the order they were added (version 2: all but
+#: ``nodes.provenance``, which version 3 added). They follow ``commit_id`` so that a table upgraded
+#: in place (Lance appends added columns) and a new one have the same order; a new column goes last.
 ADDED: dict[str, tuple[pa.Field, ...]] = {
     "sessions": (_AT,),
     "nodes": (
@@ -189,6 +191,8 @@ ADDED: dict[str, tuple[pa.Field, ...]] = {
         _AT,
         _f("action", pa.string(), "step records: the action taken (a command, a tool call)"),
         _f("state", pa.string(), "step records: the state it was taken from (e.g. JSON of open file, cwd)"),
+        _f("provenance", pa.string(), "who wrote the node (set by the writer: 'api', 'token:<name>', "
+           "'importer:<format>'; null: written before format 3); rewrites keep it"),
     ),
     "edges": (_AT,),
     "rewards": (_AT,),

@@ -70,6 +70,8 @@ class Reads:
         self.graph_walks = 0
         self._names: dict[tuple[str, str], tuple[set[str], int]] = {}
         self._names_lock = threading.Lock()
+        #: the purge (``LogState.purged``) the name caches were last emptied after
+        self._names_purge = 0
 
     def state(self) -> LogState:
         """The commit log as it is now (re-read if it grew)."""
@@ -90,9 +92,14 @@ class Reads:
 
     def names(self, table: str, col: str) -> set[str]:
         """Distinct values of a name column (channels, session ids, task ids) as of the latest
-        commit, cached and extended incrementally by the commits since the last look."""
-        last = self.state().last_committed
+        commit, cached and extended incrementally by the commits since the last look (emptied
+        after a purge: purged names are gone from every version)."""
+        st = self.state()
+        last = st.last_committed
         with self._names_lock:
+            if st.purged != self._names_purge:
+                self._names.clear()
+                self._names_purge = st.purged
             known, upto = self._names.get((table, col), (set(), 0))
         if upto < last:
             rows = self.at_commit(last).rows(

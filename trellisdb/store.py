@@ -35,7 +35,7 @@ MARKER = "trellis.json"
 SPACES_FILE = "spaces.json"
 DEFAULT_EMBEDDING_DIM = 384
 #: Format versions this release upgrades in place when a writable handle opens them.
-UPGRADABLE = (1,)
+UPGRADABLE = (1, 2)
 
 #: What an interrupted ``init`` may have left in a folder (it is started again there).
 _OUR_FILES = {"tables", "commits.log", "LOCK", MARKER + ".tmp", SPACES_FILE}

@@ -31,7 +31,14 @@ from trellisdb.errors import (
     ValidationError,
 )
 from trellisdb.ids import new_id
-from trellisdb.names import check_name, check_text
+from trellisdb.names import (
+    QUARANTINE_REASON,
+    QUARANTINED,
+    SESSION_PROVENANCE,
+    check_name,
+    check_not_reserved,
+    check_text,
+)
 from trellisdb.rules import (
     ATTRIBUTE_SCOPES,
     COST_FIELDS,
@@ -97,10 +104,13 @@ class SessionWriter:
     inside :meth:`Database.transaction`.
     """
 
-    def __init__(self, committer: Committer, session_id: str, task_id: str, step: int = 0) -> None:
+    def __init__(self, committer: Committer, session_id: str, task_id: str, step: int = 0,
+                 provenance: str | None = None) -> None:
         self._c = committer
         self.id = session_id
         self.task_id = task_id
+        #: who writes through this writer: the ``provenance`` of its nodes (None: the database's default)
+        self.provenance = check_name(provenance, "provenance", optional=True)
         self._step = step
         self._closed = False
 
@@ -138,6 +148,7 @@ class SessionWriter:
         at: object = None,
         action: str | None = None,
         state: str | None = None,
+        quarantine: str | bool | None = None,
     ) -> str:
         """Add a node (an attempt, step, tool call...) and its parent edges; return its id.
 
@@ -146,6 +157,9 @@ class SessionWriter:
         agent's world: an aware datetime, epoch seconds or ISO-8601 text; the commit keeps
         the write time), ``action`` and ``state`` a step record's action and the state it
         was taken from (queryable columns; embed them with a space whose ``text`` names them).
+        ``quarantine`` (True, or the reason as text) holds the node in quarantine from its
+        first commit (see :meth:`quarantine`): a write kept out of RETRIEVE, FRONTIER and the
+        training views until released. The node's ``provenance`` is the writer's, never an argument.
 
         All or nothing: the node, its edges, artifacts, attributes and labels are staged
         together once every value has passed its checks."""
@@ -180,6 +194,10 @@ class SessionWriter:
         check_text(state, "state")
         attr_rows = attribute_rows("node", node_id, attrs, when, self.id)
         label_rows = label_rows_for([node_id], labels, True, when, self.id)
+        if quarantine is not None and quarantine is not False:  # held: quarantined from its first commit
+            held_labels, held_attrs = quarantine_rows([node_id], True, quarantine_reason(quarantine), when, self.id)
+            label_rows += held_labels
+            attr_rows += held_attrs
         row = {
             "id": node_id,
             "session_id": self.id,
@@ -197,6 +215,7 @@ class SessionWriter:
             "event_time": when,
             "action": action,
             "state": state,
+            "provenance": self.provenance if self.provenance is not None else c.provenance,
         }
         if id is not None:
             original = c.node_original(node_id, edge_kind)
@@ -251,6 +270,14 @@ class SessionWriter:
     def unlabel(self, node_ids: str | Sequence[str], *labels: str, at: object = None) -> None:
         """Remove memberships given by :meth:`label` (a label a node does not have is ignored)."""
         write_labels(self._c, node_ids, labels, False, at, self.id)
+
+    def quarantine(self, node_ids: str | Sequence[str], reason: str | None = None, *, at: object = None) -> None:
+        """Quarantine nodes (see :meth:`Database.quarantine`)."""
+        write_quarantine(self._c, node_ids, True, reason, at, self.id)
+
+    def release(self, node_ids: str | Sequence[str], *, at: object = None) -> None:
+        """Release quarantined nodes (see :meth:`Database.release`)."""
+        write_quarantine(self._c, node_ids, False, None, at, self.id)
 
     def add_edge(self, src: str, dst: str, kind: str = "derived_from", *, at: object = None) -> None:
         """Add a typed lineage edge ``src -> dst`` between existing nodes (``at``: its event time)."""
@@ -431,6 +458,7 @@ def open_session(
     task_spec: str | None = None,
     at: object = None,
     attrs: Mapping[str, Any] | None = None,
+    provenance: str | None = None,
 ) -> SessionWriter:
     """Start (or reopen, with the same identity) a session; see :meth:`Database.session`."""
     c.store.writable("session")
@@ -448,6 +476,7 @@ def open_session(
         "event_time": when,
     }
     check_text(task_spec, "task spec")
+    check_name(provenance, "provenance", optional=True)
     attr_rows = attribute_rows("session", sid, attrs, when, sid)
     old = c.session_row(sid) if id is not None else None
     if old is not None:
@@ -469,16 +498,22 @@ def open_session(
         b.sessions[sid] = row
         b.session_id = sid
         b.rows["attributes"].extend(attr_rows)
-    return SessionWriter(c, sid, task, c.max_step(sid) if old is not None else 0)
+        if old is None and provenance is not None:  # who opened it (``SESSION_PROVENANCE``)
+            b.rows["attributes"].append({"scope": "session", "entity": sid, "key": SESSION_PROVENANCE,
+                                         **attribute_value(SESSION_PROVENANCE, provenance), "session_id": sid,
+                                         "event_time": when})
+    return SessionWriter(c, sid, task, c.max_step(sid) if old is not None else 0, provenance)
 
 
-def resume_session(c: Committer, session_id: str) -> SessionWriter:
-    """A writer for an existing session, its step counter where it stopped."""
+def resume_session(c: Committer, session_id: str, provenance: str | None = None) -> SessionWriter:
+    """A writer for an existing session, its step counter where it stopped (``provenance``: who
+    writes through it; None: the database's default)."""
     c.store.writable("resume")
+    check_name(provenance, "provenance", optional=True)
     row = c.session_row(check_name(session_id, "session id") or "")
     if row is None:
         raise UnknownSessionError(f"session {session_id!r} does not exist")
-    return SessionWriter(c, session_id, row["task_id"], c.max_step(session_id))
+    return SessionWriter(c, session_id, row["task_id"], c.max_step(session_id), provenance)
 
 
 def add_task(
@@ -587,6 +622,7 @@ def attribute_rows(scope: str, entity: str, attrs: Mapping[str, Any] | None, at:
     rows = []
     for key, value in attrs.items():
         check_name(key, "attribute key")
+        check_not_reserved(key, "attribute key")
         rows.append({"scope": scope, "entity": entity, "key": key, **attribute_value(key, value),
                      "session_id": session_id, "event_time": at})
     return rows
@@ -603,6 +639,7 @@ def label_rows_for(node_ids: Sequence[str], labels: Sequence[str], present: bool
         raise ValidationError(f"{len(labels)} labels in one call; at most {MAX_ATTRS_PER_CALL} (split the call)")
     for lab in labels:
         check_name(lab, "label")
+        check_not_reserved(lab, "label")
     return [{"node_id": n, "label": lab, "present": present, "session_id": session_id, "event_time": at}
             for n in node_ids for lab in dict.fromkeys(labels)]
 
@@ -646,3 +683,51 @@ def write_labels(c: Committer, node_ids: str | Sequence[str], labels: Sequence[s
     if rows:
         with c.sink(session_id) as b:
             b.rows["labels"].extend(rows)
+
+
+# ------------------------------------------------------- trust: quarantine
+def quarantine_reason(value: object) -> str | None:
+    """The reason a quarantine gives: text, or None for ``True`` / ``None`` (no reason)."""
+    if value is None or value is True:
+        return None
+    if not isinstance(value, str):
+        raise ValidationError(f"quarantine takes True or the reason as text, not {type(value).__name__} {value!r}")
+    return check_text(value, "quarantine reason")
+
+
+def quarantine_rows(node_ids: Sequence[str], quarantined: bool, reason: str | None, at: dt.datetime | None,
+                    session_id: str | None) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The ``labels`` and ``attributes`` rows quarantining (or releasing) ``node_ids``: the
+    reserved label ``trellis:quarantined`` given or removed, and the reason attribute set (a
+    quarantine with a reason) or retracted (a release)."""
+    labels = [{"node_id": n, "label": QUARANTINED, "present": quarantined, "session_id": session_id,
+               "event_time": at} for n in node_ids]
+    attrs: list[dict[str, Any]] = []
+    if not quarantined or reason is not None:
+        value = attribute_value(QUARANTINE_REASON, reason)
+        attrs = [{"scope": "node", "entity": n, "key": QUARANTINE_REASON, **value, "session_id": session_id,
+                  "event_time": at} for n in node_ids]
+    return labels, attrs
+
+
+def write_quarantine(c: Committer, node_ids: str | Sequence[str], quarantined: bool, reason: object, at: object,
+                     session_id: str | None) -> None:
+    """Stage the quarantine (or release) of existing nodes: commit-stamped label and reason rows."""
+    c.store.writable("quarantine" if quarantined else "release")
+    ids = [node_ids] if isinstance(node_ids, str) else node_ids
+    if not isinstance(ids, Sequence | set | frozenset):
+        raise ValidationError(f"{'quarantine' if quarantined else 'release'} takes a node id or a list of them, "
+                              f"got {type(node_ids).__name__}")
+    ids = list(dict.fromkeys(ids))
+    for i in ids:
+        check_name(i, "node id")
+    why = quarantine_reason(reason) if quarantined else None
+    labels, attrs = quarantine_rows(ids, quarantined, why, event_time(at), session_id)
+    missing = c.missing_nodes(ids)
+    if missing:
+        raise UnknownNodeError(f"{'quarantine' if quarantined else 'release'}: node {missing[0]!r} does not exist "
+                               f"({len(missing)} of {len(ids)} unknown)")
+    if labels:
+        with c.sink(session_id) as b:
+            b.rows["labels"].extend(labels)
+            b.rows["attributes"].extend(attrs)

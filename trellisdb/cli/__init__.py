@@ -3,7 +3,8 @@
 trellis [--db PATH] [--read-only] [--export-root DIR] init | log | sql TEXT | query TQL | explain TQL
     | tag NAME [--move] | untag NAME | compact | verify | repair | demo
     | views | create-view NAME KIND -o K=V ... | materialize NAME | refresh NAME | export NAME PATH
-    | import FORMAT PATH | serve [--host H] [--port P] [--token T]
+    | import FORMAT PATH | serve [--host H] [--port P] [--token T] [--allowed-host NAME]
+    | token create --tenant T --role R [--name N] | token list [--tenant T] | token revoke NAME
 
 `output` prints the rows (the demo prints through it too); `demo` is `trellis demo`, imported
 when that command runs.
@@ -132,7 +133,22 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     srv.add_argument("--port", type=int, default=7437, help="port (default 7437)")
     srv.add_argument("--token", default=os.environ.get("TRELLIS_TOKEN"),
-                     help="require 'Authorization: Bearer TOKEN' on every request (default $TRELLIS_TOKEN)")
+                     help="one shared token, the default tenant's admin: 'Authorization: Bearer TOKEN' "
+                          "(default $TRELLIS_TOKEN; per-tenant tokens: trellis token create)")
+    srv.add_argument("--body-timeout", type=float, default=30.0, metavar="SECONDS",
+                     help="seconds a request body may take to arrive (slower clients get 408; default 30)")
+    srv.add_argument("--allowed-host", action="append", default=None, metavar="NAME",
+                     help="a name clients reach the server by, for MCP's DNS-rebinding check (repeatable)")
+    tok = sub.add_parser("token", help="make, list and revoke the tokens of a served store (tenants and roles)")
+    tsub = tok.add_subparsers(dest="action", required=True)
+    tc = tsub.add_parser("create", help="make a token; it is printed once and never stored")
+    tc.add_argument("--tenant", default="default", help="the tenant it belongs to (default: default)")
+    tc.add_argument("--role", required=True, choices=["agent", "analyst", "admin"])
+    tc.add_argument("--name", default=None, help="a name for it (default: made up)")
+    tl = tsub.add_parser("list", help="the tokens (names, tenants, roles; never the tokens)")
+    tl.add_argument("--tenant", default=None)
+    tr = tsub.add_parser("revoke", help="remove a token")
+    tr.add_argument("name")
     sub.add_parser("mcp", help="serve the database to an agent over MCP on stdio (needs the server extra)")
     demo = sub.add_parser("demo", help="run a small simulated search into the database")
     demo.add_argument("--sessions", type=int, default=3)
@@ -150,10 +166,34 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
 
 
+def _token(args: argparse.Namespace, path: str) -> int:
+    """``trellis token``: the registry is a file of the served folder (the server rereads it)."""
+    from trellisdb.tenants import Tokens
+
+    if not os.path.isdir(path):
+        raise TrellisError(f"{path} is not a database folder; serve it once (`trellis --db {path} serve`) or "
+                           f"`trellis --db {path} init` first")
+    reg = Tokens(path)
+    if args.action == "create":
+        secret = reg.create(args.tenant, args.role, name=args.name)
+        who = reg.lookup(secret)
+        assert who is not None
+        print(f"token {who.name!r}: {who.role} of tenant {who.tenant!r} (shown once; keep it):", file=sys.stderr)
+        print(secret)
+    elif args.action == "list":
+        rows = reg.list(args.tenant)
+        print(format_table(pa.Table.from_pylist(rows) if rows else pa.table({"name": pa.array([], pa.string())}),
+                           "table"))
+    else:
+        gone = reg.revoke(args.name)
+        print(f"revoked {gone['name']!r} ({gone['role']} of tenant {gone['tenant']!r})")
+    return 0
+
+
 def _run(args: argparse.Namespace, path: str) -> int:
     from trellisdb.database import open_local as connect
 
-    if args.read_only and args.command in ("init", "demo", "import", "serve", "mcp"):
+    if args.read_only and args.command in ("init", "demo", "import", "serve", "mcp", "token"):
         raise TrellisError(f"`trellis {args.command}` writes the database; drop --read-only")
     if args.command == "init":
         db = connect(path, embedding_dim=args.embedding_dim)
@@ -170,8 +210,11 @@ def _run(args: argparse.Namespace, path: str) -> int:
         from trellisdb.server import serve
 
         print(f"serving {path} on http://{args.host}:{args.port}", file=sys.stderr, flush=True)
-        serve(path, host=args.host, port=args.port, token=args.token)
+        serve(path, host=args.host, port=args.port, token=args.token, allowed_hosts=args.allowed_host,
+              export_root=args.export_root, body_timeout=args.body_timeout)
         return 0
+    if args.command == "token":
+        return _token(args, path)
     if args.command == "import":
         from trellisdb.importers import import_run
 

@@ -2,7 +2,8 @@
 
 A format's reader yields :class:`Unit` s in order; :func:`commit_units` writes each with
 ``db.ingest`` (vectorized checks; one commit), its metadata extended by ``import``: the format,
-the source and the unit's name. Before it starts, it reads which units of that source the
+the source and the unit's name; its nodes' ``provenance`` is ``importer:<format>`` (unless the
+reader gives one). Before it starts, it reads which units of that source the
 store already holds, and skips them, so an import interrupted anywhere is finished by running
 it again, and one run twice adds nothing. A skipped unit whose tag is missing is tagged again
 (a crash between the commit and its tag leaves it so; a tag removed with ``untag`` comes back
@@ -281,6 +282,10 @@ def commit_units(db: Database, fmt: str, source: str, units: Iterable[Unit], *,
             try:
                 _check_embeddings(db, unit)
                 tables = _tables(db, unit.rows, tasks)
+                nodes = tables.get("nodes")
+                if nodes is not None and "provenance" not in nodes.column_names:  # who wrote them: this importer
+                    tables["nodes"] = nodes.append_column(
+                        "provenance", pa.array([f"importer:{fmt}"] * nodes.num_rows, pa.string()))
                 cid = db.ingest(tables, message=unit.message or f"import {fmt} {unit.name}", meta=meta)
             except ImportFormatError:
                 raise

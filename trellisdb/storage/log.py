@@ -10,6 +10,8 @@ and visible exactly when its ``commit`` record is on disk (fsynced). Records::
     {"op": "checkpoint-begin", "upto": N}     WAL commits up to N being appended to Lance
     {"op": "checkpoint", "upto": N, "wal": G} they are: their commit records precede this one;
                                              new small commits go to WAL segment G
+    {"op": "purge-begin", "sessions": [...]}  a purge of these sessions' rows began (``trellisdb/purge.py``);
+                                             its audit commit (``"purge": true``) says it finished
 
 Small commits are not in this file until a checkpoint: they are frames of the write-ahead
 log (``wal.py``), read after this file; ``LogState`` holds both (``wal``: the commits whose
@@ -160,6 +162,11 @@ class LogState:
     checkpoint_begun: int = 0
     #: the commits above ``lance_upto`` whose rows are in the WAL
     wal: WalView = field(default_factory=WalView)
+    #: the id of the last purge's audit commit (0: none): rows were deleted from every version
+    #: then, so what a reader mirrored or cached before it is stale (``reader.py`` starts over)
+    purged: int = 0
+    #: sessions of a purge that began and has not finished (a crash): running it again finishes it
+    purging: tuple[str, ...] = ()
 
     def aborted(self, below: int | None = None) -> list[int]:
         """Reserved ids that never committed and whose rows are not yet collected.
@@ -323,6 +330,11 @@ class CommitLog:
             st.max_id = max(st.max_id, cid)
             st.last_committed = max(st.last_committed, cid)
             st.lance_upto = max(st.lance_upto, cid)
+            if rec.get("purge") is True:  # a purge's audit commit: it finished
+                st.purged = max(st.purged, cid)
+                st.purging = ()
+        elif op == "purge-begin":
+            st.purging = tuple(sorted({*st.purging, *(str(x) for x in rec.get("sessions", []))}))
         elif op == "checkpoint-begin":
             st.checkpoint_begun = max(st.checkpoint_begun, int(rec["upto"]))
         elif op == "checkpoint":

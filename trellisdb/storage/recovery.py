@@ -211,6 +211,10 @@ class LogGuard:
         fresh = CommitLog(self._log.path)
         st = fresh.refresh()
         out = [msg for _, msg in st.problems]
+        if st.purging:
+            out.append(f"{self._log.path}: a purge of sessions {list(st.purging)!r} began and did not finish (a "
+                       "crash?); their rows may remain in the tables and their old versions: run the purge again "
+                       "(db.purge, `trellis purge`; any purge finishes it)")
         lost = fresh.lost(mark)
         if lost:
             out.append(f"{lost}; run `trellis repair`")

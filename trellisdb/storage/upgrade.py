@@ -1,14 +1,19 @@
 """Upgrading a store written by an earlier format version, in place.
 
-Format 2 (``schema.FORMAT_VERSION``) added columns to five tables (``schema.ADDED``: the
-insertion order and event time of nodes, event time elsewhere, step records' action and
-state) and two tables (``schema.NEW_TABLES``: attributes, labels). The upgrade adds the
-columns as all-null columns (a Lance metadata-only change: no row is rewritten) and creates
-the missing tables empty. Every step checks what is there first, so an upgrade interrupted
-half-way is finished by the next one; the caller holds the writer lock and writes the new
-format version to the marker file last, once every table is upgraded.
+Format 2 added columns to five tables (``schema.ADDED``: the insertion order and event time
+of nodes, event time elsewhere, step records' action and state) and two tables
+(``schema.NEW_TABLES``: attributes, labels); format 3 (``schema.FORMAT_VERSION``) added
+``nodes.provenance`` (who wrote a node). The upgrade adds whichever of those columns a table
+lacks as all-null columns (a Lance metadata-only change: no row is rewritten) and creates the
+missing tables empty, so one pass takes a version-1 store to 3 as it takes a version-2 one.
+Every step checks what is there first, so an upgrade interrupted half-way is finished by the
+next one; the caller holds the writer lock and writes the new format version to the marker
+file last, once every table is upgraded.
 
-Rows from before the upgrade read null in the new columns: their insertion order is their
+Rows from before format 3 read null in ``provenance``: who wrote them is unknown. Rows of a
+version-2 store's write-ahead log lack the column too and read null the same way.
+
+Rows from before format 2 read null in its columns: their insertion order is their
 commit (``born`` null), ties within a commit break by id as before (``ordinal`` null), and
 their event time is unknown (``event_time`` null). So a node whose row was rewritten before the
 upgrade (a status change) orders by that rewrite's commit, as format 1 ordered it; rewrites after

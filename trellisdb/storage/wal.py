@@ -208,6 +208,9 @@ def rows_table(frames: Sequence[Frame], name: str, schema: pa.Schema) -> pa.Tabl
         if t is not None:
             t = t.set_column(t.schema.get_field_index("commit_id"), "commit_id",
                              pa.array(np.full(t.num_rows, f.id, np.int64)))
+            for field in schema:  # a column a later format added (upgrade.py): null in older frames
+                if field.name not in t.column_names:
+                    t = t.append_column(field.name, pa.nulls(t.num_rows, field.type))
             parts.append(t.select(schema.names).cast(schema))
     if len(parts) == 1:
         return parts[0]

@@ -215,6 +215,8 @@ class Select:
 
 @dataclass(frozen=True)
 class Frontier:
+    """``include_quarantined``: ``INCLUDE QUARANTINED`` (else quarantined nodes are left out)."""
+
     scope: Scope | None = None
     where: Expr | None = None
     expanded: Expr | None = None
@@ -223,6 +225,7 @@ class Frontier:
     limit: Value | None = None
     returning: tuple[Proj, ...] = ()
     span: Span = NO_SPAN
+    include_quarantined: bool = False
 
 
 @dataclass(frozen=True)
@@ -264,7 +267,8 @@ class ExpandItem:
 
 @dataclass(frozen=True)
 class Retrieve:
-    """Seeds by vector similarity and/or keywords, then their lineage."""
+    """Seeds by vector similarity and/or keywords, then their lineage (``include_quarantined``:
+    ``INCLUDE QUARANTINED``, else quarantined nodes are neither seeds nor reached)."""
 
     k: Value
     similar: Value | None = None  # a text, or a $param holding a vector
@@ -278,6 +282,7 @@ class Retrieve:
     limit: Value | None = None
     returning: tuple[Proj, ...] = ()
     span: Span = NO_SPAN
+    include_quarantined: bool = False
 
 
 @dataclass(frozen=True)
@@ -486,7 +491,11 @@ class ToAst(Transformer[Token, Any]):
     def frontier(self, meta: Any, items: list[Any]) -> Frontier:
         c = _clauses(items)
         return Frontier(c.get("scope"), c.get("where"), c.get("expanded"), c.get("rank", ()), c.get("diversity"),
-                        c.get("limit"), c.get("returning", ()), _span(meta))
+                        c.get("limit"), c.get("returning", ()), _span(meta),
+                        include_quarantined=c.get("include_quarantined", False))
+
+    def include_quarantined(self, meta: Any, items: list[Any]) -> tuple[str, bool]:
+        return ("@include_quarantined", True)
 
     def expanded(self, meta: Any, items: list[Any]) -> tuple[str, Expr]:
         return ("@expanded", _kw(items)[0])
@@ -541,7 +550,8 @@ class ToAst(Transformer[Token, Any]):
         sim, space = similar[0][1] if similar else (None, None)
         expand, via = c.get("expand", ((), ()))
         return Retrieve(k, sim, space, matching[0][1] if matching else None, c.get("from", "nodes"), c.get("where"),
-                        expand, via, c.get("rank", ()), c.get("limit"), c.get("returning", ()), _span(meta))
+                        expand, via, c.get("rank", ()), c.get("limit"), c.get("returning", ()), _span(meta),
+                        include_quarantined=c.get("include_quarantined", False))
 
     def similar(self, meta: Any, items: list[Any]) -> tuple[str, tuple[Value, str | None]]:
         rest = _kw(items)

@@ -29,6 +29,7 @@ from sqlglot import exp
 
 from trellisdb.errors import PlanError, QueryError
 from trellisdb.graph import FOUND_SCHEMA
+from trellisdb.names import QUARANTINED
 from trellisdb.tql import ast as A
 from trellisdb.tql import plan as P
 from trellisdb.tql.resolve import ATTR_CALLS, ATTR_SCOPES, ENTITY_COLUMNS, LINEAGE_KINDS, MAX_HOPS, RETRIEVE_COLUMNS
@@ -40,6 +41,11 @@ _BINARY: dict[str, type[exp.Expr]] = {
     "=": exp.EQ, "!=": exp.NEQ, "<": exp.LT, "<=": exp.LTE, ">": exp.GT, ">=": exp.GTE,
     "AND": exp.And, "OR": exp.Or,
 }
+
+#: The nodes quarantined as of the snapshot (the current ``trellis:quarantined`` memberships), for the
+#: anti-join that leaves them out: empty unless some node is, so the join costs a probe per row.
+#: The label is trellisdb's constant (no user text), so it is written into the SQL.
+QUARANTINED_IDS = f"(SELECT node_id FROM labels WHERE label = '{QUARANTINED}') AS __q"
 
 _UCB = sqlglot.parse_one("__v + __c * sqrt(ln(greatest(sum(__n) OVER (), 1)) / greatest(__n, 1))", dialect=DIALECT)
 
@@ -160,6 +166,8 @@ class Compiler:
                     key = e.args[0]
                     assert isinstance(key, A.Literal)
                     return exp.column(self.label_cols[str(key.value)], quoted=True)
+                if e.name == "quarantined":
+                    return exp.column(self.label_cols[QUARANTINED], quoted=True)
                 if e.name == "ucb":
                     v, n, c = (x(a) for a in e.args)
                     subs = {"__v": _paren(v), "__n": _paren(n), "__c": _paren(c)}
@@ -276,7 +284,10 @@ class Compiler:
                 assert_never(op)
 
     def op_Scan(self, p: P.Scan) -> str:
-        sel = _template(f"SELECT * FROM {p.entity}")
+        if p.exclude_quarantined:  # an anti-join: the nodes with no current trellis:quarantined membership
+            sel = _template(f"SELECT * FROM {p.entity} ANTI JOIN {QUARANTINED_IDS} ON __q.node_id = {p.entity}.id")
+        else:
+            sel = _template(f"SELECT * FROM {p.entity}")
         if p.scope is not None:
             v = self.value(p.scope.value.value)  # type: ignore[union-attr]
             col = "session_id" if p.scope.kind == "session" else "task_id"
@@ -338,7 +349,11 @@ class Compiler:
         """Seeds plus their neighbourhood, one row per node at its nearest seed: computed before
         the SQL (the vector step, then the walk over the in-memory adjacency, see
         ``tql/retrieve.py``) and read as the relation ``__found``."""
-        return self.cte(_template(f"SELECT {', '.join(FOUND_SCHEMA.names)} FROM __found"))
+        cols = ", ".join(FOUND_SCHEMA.names)
+        if p.exclude_quarantined:  # the walk went through them; the answer leaves them out
+            return self.cte(_template(f"SELECT {cols} FROM __found ANTI JOIN {QUARANTINED_IDS} "
+                                      "ON __q.node_id = __found.id"))
+        return self.cte(_template(f"SELECT {cols} FROM __found"))
 
     def _attach(self, relation: P.Plan, extras: list[str], entity: str) -> tuple[exp.Select, list[str], str]:
         """A graph relation (id, hop | shared_parent | RETRIEVE's columns) with its node rows attached:
@@ -374,6 +389,10 @@ class Compiler:
             case _:
                 assert_never(src)
         entity = src.entity if isinstance(src, P.Scan | P.Expand) else "nodes"
+        # a statement leaving quarantined nodes out does not count them as children either: a node
+        # whose only children are quarantined is on the frontier again, and visits ignore them
+        trusted = isinstance(src, P.Scan | P.Expand) and src.exclude_quarantined
+        child_edges = f"edges ANTI JOIN {QUARANTINED_IDS} ON __q.node_id = edges.dst" if trusted else "edges"
         self.rewards = reward_column_names(p.channels, entity_cols)
         for i, ch in enumerate(p.channels):
             alias = f"r{i}"
@@ -407,10 +426,10 @@ class Compiler:
         kinds = ", ".join(f"'{k}'" for k in (p.kinds or LINEAGE_KINDS))
         joins: list[tuple[str, str, str]] = []  # (subquery AS alias, ON, select expression)
         if "has_children" in acc:
-            joins.append(("", "", f"b.id IN (SELECT src FROM edges WHERE kind IN ({kinds}){ids.format(col='src')}) "
-                                  "AS has_children"))
+            joins.append(("", "", f"b.id IN (SELECT src FROM {child_edges} WHERE kind IN ({kinds})"
+                                  f"{ids.format(col='src')}) AS has_children"))
         if "children" in acc:
-            joins.append((f"(SELECT src, count(*) AS n FROM edges WHERE kind IN ({kinds}){ids.format(col='src')} "
+            joins.append((f"(SELECT src, count(*) AS n FROM {child_edges} WHERE kind IN ({kinds}){ids.format(col='src')} "
                           "GROUP BY src) AS ch",
                           "ch.src = b.id", "coalesce(ch.n, 0) AS children"))
             if "visits" in acc:
@@ -528,7 +547,7 @@ def _abstract(obj: Any, values: list[Any], nodes: list[int] | None = None) -> An
             return A.Literal(Slot(len(values) - 1), obj.span)  # type: ignore[arg-type]
         return obj
     if isinstance(obj, A.Span | A.Column) or (isinstance(obj, A.Call) and obj.name in ("reward", *ATTR_CALLS,
-                                                                                      "has_label")):
+                                                                                      "has_label", "quarantined")):
         return obj  # nothing inside to abstract
     if isinstance(obj, tuple):
         return tuple(_abstract(x, values, nodes) for x in obj)

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any, assert_never, cast, get_args
 
 from trellisdb.errors import PlanError as PlanError  # defined with the other errors; importable from here too
+from trellisdb.names import QUARANTINED
 from trellisdb.tql import ast as A
 from trellisdb.tql.parser import MAX_SORT_KEYS
 from trellisdb.tql.resolve import CLOSED_STATUSES, ENTITY_COLUMNS, LINEAGE_KINDS, MAX_HOPS, Bound
@@ -35,6 +36,12 @@ from trellisdb.tql.show import show
 #: insertion order (``seq``: first commit, then position in it; status changes never move it),
 #: then the id.
 TIEBREAK = ("seq", "id")
+
+
+def excluding(snapshot: int) -> str:
+    """What EXPLAIN says of an operator that leaves quarantined nodes out."""
+    return (f"excluding quarantined nodes ({QUARANTINED} as of commit {snapshot}); INCLUDE QUARANTINED to "
+            "include them")
 
 
 def tiebreak(entity: str) -> tuple[str, ...]:
@@ -68,12 +75,17 @@ class Scan(Plan):
 
     ``restrict_to`` names a relation of ids (``__members``, a view refresh's nodes): only
     those rows are read, and a ``Derive`` over the scan reads only their rewards. The scan
-    is then a materialized CTE, so DuckDB narrows the nodes before it joins their rewards."""
+    is then a materialized CTE, so DuckDB narrows the nodes before it joins their rewards.
+
+    ``exclude_quarantined`` leaves out the nodes quarantined as of ``snapshot`` (an anti-join
+    with the current ``trellis:quarantined`` memberships): FRONTIER, RETRIEVE's prefilter and
+    the training views read nodes so unless told to include them."""
 
     entity: str
     snapshot: int
     scope: A.Scope | None = None
     restrict_to: str | None = None
+    exclude_quarantined: bool = False
 
     def __post_init__(self) -> None:
         if self.entity not in ENTITY_COLUMNS:
@@ -83,11 +95,14 @@ class Scan(Plan):
         if self.restrict_to is not None and (self.entity != "nodes" or not _RELATION.fullmatch(self.restrict_to)):
             raise PlanError(f"Scan restricts nodes to an internal relation such as '__members', not "
                             f"{self.entity} to {self.restrict_to!r}")
+        if self.exclude_quarantined and self.entity != "nodes":
+            raise PlanError(f"a quarantine holds nodes; a Scan of {self.entity} excludes none")
 
     def label(self) -> str:
         sc = f" in {self.scope.kind} {show(self.scope.value)}" if self.scope else ""
         only = f" restricted to the ids in {self.restrict_to}" if self.restrict_to else ""
-        return f"Scan {self.entity}{sc} as of commit {self.snapshot}{only}"
+        trust = f", {excluding(self.snapshot)}" if self.exclude_quarantined else ""
+        return f"Scan {self.entity}{sc} as of commit {self.snapshot}{only}{trust}"
 
 
 #: The relations a Scan may be restricted to: internal names (``__members``), never user text.
@@ -164,6 +179,8 @@ class VectorSearch(Plan):
     #: WHERE: the ids it allows, as a plan to compile (Project id <- Filter <- [Derive] <- Scan); None: no WHERE
     prefilter: Plan | None
     snapshot: int
+    #: no seed is a node quarantined as of ``snapshot`` (the prefilter's scan leaves them out too)
+    exclude_quarantined: bool = False
 
     def __post_init__(self) -> None:
         if self.k < 1:
@@ -172,6 +189,8 @@ class VectorSearch(Plan):
             raise PlanError("VectorSearch searches for a text or a vector, not both")
         if self.similar_text is None and self.vector_param is None and self.matching is None:
             raise PlanError("VectorSearch needs SIMILAR TO (a text or a vector) or MATCHING keywords")
+        if self.exclude_quarantined and self.entity != "nodes":
+            raise PlanError(f"a quarantine holds nodes; a VectorSearch of {self.entity} excludes none")
 
     def label(self) -> str:
         how = []
@@ -183,24 +202,28 @@ class VectorSearch(Plan):
             how.append(f"best keyword (BM25) matches of {show(A.Literal(self.matching))}")
         fused = " fused by reciprocal rank" if len(how) == 2 else ""
         pre = ", among the ids the prefilter below allows" if self.prefilter is not None else ""
+        trust = f", {excluding(self.snapshot)}" if self.exclude_quarantined else ""
         return (f"VectorSearch {self.k} {self.entity}: {' + '.join(how)}{fused} as of commit {self.snapshot}{pre}"
-                "  -- Lance, before the SQL")
+                f"{trust}  -- Lance, before the SQL")
 
 
 @dataclass(frozen=True)
 class Expand(Plan):
     """The seeds plus nodes reached from them (relation, seed, seed_rank, hop); one row per node,
     kept at its nearest seed (fewest hops, then best seed rank). Walked before the SQL (the
-    in-memory adjacency), then read by it as the relation ``__found``."""
+    in-memory adjacency), then read by it as the relation ``__found``. ``exclude_quarantined``:
+    the SQL leaves out the quarantined nodes the walk reached (the walk goes through them)."""
 
     input: Plan
     items: tuple[tuple[str, int], ...]  # (ancestors | descendants | siblings | lineage, hops)
     kinds: tuple[str, ...]
     entity: str = "nodes"
+    exclude_quarantined: bool = False
 
     def label(self) -> str:
         steps = ", ".join(d if d == "siblings" else f"{d} {h}" for d, h in self.items) or "seeds only"
-        return f"Expand {steps} via {', '.join(self.kinds)}"
+        trust = ", leaving out the quarantined nodes it reaches" if self.exclude_quarantined else ""
+        return f"Expand {steps} via {', '.join(self.kinds)}{trust}"
 
 
 @dataclass(frozen=True)
@@ -347,10 +370,11 @@ def vector_search(plan: Plan) -> VectorSearch | None:
     >>> vs = vector_search(build(Bound(q, q.statement, 7)))
     >>> vs.k, vs.vector_param, vs.similar_text, vs.matching
     (3, 'v', None, None)
-    >>> print(vs.prefilter.pretty())
+    >>> print(vs.prefilter.pretty())  # doctest: +NORMALIZE_WHITESPACE
     Project id AS id
       Filter (step > 1)
-        Scan nodes as of commit 7
+        Scan nodes as of commit 7, excluding quarantined nodes (trellis:quarantined as of commit 7); INCLUDE
+        QUARANTINED to include them
     >>> vector_search(build(Bound(parse("NODES"), parse("NODES").statement, 7))) is None
     True
     """
@@ -502,7 +526,8 @@ def _over(e: A.Expr, cols: dict[str, str]) -> A.Expr:
 
 
 def _frontier(b: Bound, s: A.Frontier) -> Plan:
-    node: Plan = _derive(Scan("nodes", b.snapshot, s.scope), b, always=True)
+    scan = Scan("nodes", b.snapshot, s.scope, exclude_quarantined=not s.include_quarantined)
+    node: Plan = _derive(scan, b, always=True)
     expanded = s.expanded if s.expanded is not None else default_expanded()
     node = Filter(node, A.Not(expanded), "not yet expanded" if s.expanded is None else "EXPANDED WHEN")
     if s.where is not None:
@@ -518,6 +543,7 @@ def _frontier(b: Bound, s: A.Frontier) -> Plan:
 
 
 def _retrieve(b: Bound, s: A.Retrieve) -> Plan:
+    exclude = s.entity == "nodes" and not s.include_quarantined
     search = VectorSearch(
         entity=s.entity,
         space=s.space or "embedding",
@@ -525,11 +551,12 @@ def _retrieve(b: Bound, s: A.Retrieve) -> Plan:
         similar_text=_str(s.similar) if isinstance(s.similar, A.Literal) else None,
         vector_param=s.similar.name if isinstance(s.similar, A.Param) else None,
         matching=_str(s.matching) if s.matching is not None else None,
-        prefilter=_prefilter(b, s),
+        prefilter=_prefilter(b, s, exclude),
         snapshot=b.snapshot,
+        exclude_quarantined=exclude,
     )
     items = tuple((e.direction, _int(e.hops)) for e in s.expand)
-    node: Plan = _derive(Expand(search, items, s.via, s.entity), b, always=True)
+    node: Plan = _derive(Expand(search, items, s.via, s.entity, exclude_quarantined=exclude), b, always=True)
     node = Sort(node, s.rank, ("seed_rank", "hop", "id"))
     if s.limit is not None:
         node = Limit(node, _int(s.limit))
@@ -538,12 +565,13 @@ def _retrieve(b: Bound, s: A.Retrieve) -> Plan:
     return node
 
 
-def _prefilter(b: Bound, s: A.Retrieve) -> Plan | None:
+def _prefilter(b: Bound, s: A.Retrieve, exclude: bool) -> Plan | None:
     """The ids RETRIEVE's WHERE allows (None: no WHERE). It sees the entity's columns and
-    the statement's reward channels and accessors, not the RETRIEVE columns."""
+    the statement's reward channels and accessors, not the RETRIEVE columns; ``exclude``:
+    not the quarantined nodes."""
     if s.where is None:
         return None
-    node = _derive(Scan(s.entity, b.snapshot), b)
+    node = _derive(Scan(s.entity, b.snapshot, exclude_quarantined=exclude), b)
     return Project(Filter(node, s.where), (A.Proj(A.Column("id"), "id"),))
 
 

@@ -25,7 +25,7 @@ import pyarrow as pa
 
 from trellisdb import asof
 from trellisdb.errors import QueryError, QueryNameError, QueryTypeError
-from trellisdb.names import did_you_mean, known
+from trellisdb.names import QUARANTINED, did_you_mean, known
 from trellisdb.schema import EDGE_KINDS, table_schema
 from trellisdb.tql import ast as A
 from trellisdb.tql.show import show
@@ -55,7 +55,8 @@ SQL_FUNCTIONS: dict[str, tuple[int, int]] = {
 }
 
 #: Functions TQL defines: name -> (min args, max args).
-TQL_FUNCTIONS: dict[str, tuple[int, int]] = {"reward": (1, 1), "ucb": (3, 3), "attr": (1, 1), "has_label": (1, 1)}
+TQL_FUNCTIONS: dict[str, tuple[int, int]] = {"reward": (1, 1), "ucb": (3, 3), "attr": (1, 1), "has_label": (1, 1),
+                                             "quarantined": (0, 0)}
 
 #: The comparison operators (``attr('k')`` is read as the type of what it is compared with).
 _COMPARISONS = frozenset({"=", "!=", "<>", "<", "<=", ">", ">="})
@@ -405,6 +406,13 @@ class Resolver:
             if label not in self.labels:
                 self.labels.append(label)
             return A.Call("has_label", (A.Literal(label, arg.span),), c.span)
+        if c.name == "quarantined":  # has_label('trellis:quarantined'), named for what it means
+            if self.entity != "nodes":
+                raise QueryError(f"quarantined() tests whether a node is quarantined; {self.entity} are not"
+                                 f"{_where(c.span)}", span=A.place(c.span))
+            if QUARANTINED not in self.labels:
+                self.labels.append(QUARANTINED)
+            return A.Call("quarantined", (), c.span)
         if c.name == "ucb" and not ranking:
             raise QueryError(f"ucb() ranks the frontier; use it in RANK BY or ORDER BY{_where(c.span)}",
                              span=A.place(c.span))
@@ -650,7 +658,7 @@ def _default_name(e: A.Expr) -> str:
         case A.Column():
             return e.name
         case A.Call():
-            if e.name in ("reward", *ATTR_CALLS, "has_label") and isinstance(e.args[0], A.Literal):
+            if e.name in ("reward", *ATTR_CALLS, "has_label") and e.args and isinstance(e.args[0], A.Literal):
                 return str(e.args[0].value)
             return e.name
         case A.AggCall():
@@ -794,6 +802,9 @@ def _retrieve(r: Resolver, s: A.Retrieve) -> tuple[A.Retrieve, Any]:
     matching = A.Literal(r.text(s.matching, "MATCHING"), s.matching.span) if s.matching is not None else None
     if s.expand and s.entity != "nodes":
         raise QueryError("EXPAND follows lineage edges between nodes; RETRIEVE ... FROM tasks has no lineage")
+    if s.include_quarantined and s.entity != "nodes":
+        raise QueryError("INCLUDE QUARANTINED concerns nodes (a quarantine holds nodes); RETRIEVE ... FROM tasks "
+                         "never leaves a task out")
     expand = tuple(
         A.ExpandItem(e.direction, _lit(r.count(e.hops, f"EXPAND {e.direction.upper()} hops", minimum=0,
                                                maximum=MAX_HOPS) if e.hops is not None else DEFAULT_EXPAND_HOPS))

@@ -10,6 +10,13 @@ is a few vectorized gathers, not a SQL statement joining the whole edge
 table), and each node kept at its nearest seed; the seeds and those nodes
 become the relation ``__found`` of the SQL plan, which attaches the node
 rows, rewards and ranking.
+
+Quarantined nodes (``trellis:quarantined`` as of the snapshot) are no seeds unless the query
+says ``INCLUDE QUARANTINED``: with a WHERE, the prefilter's scan leaves them out; without one,
+each list is searched deeper by their number and they are dropped from it (so the ``k`` seeds
+are the best of the other nodes, as if searched among them alone), or, when more than
+``OVERFETCH_MAX`` nodes are quarantined, searched among the ids of the others. The SQL then
+leaves out the quarantined nodes the ``EXPAND`` reached.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ import pyarrow.compute as pc
 
 from trellisdb.errors import PlanError
 from trellisdb.graph import WalkSpec, found_rows
+from trellisdb.names import QUARANTINED
 from trellisdb.storage.spaces import TEXT_COLUMN
 from trellisdb.tql import plan as P
 from trellisdb.tql.compile import compile_plan
@@ -31,6 +39,10 @@ from trellisdb.vectors.search import RRF_K, SearchStats, rrf
 if TYPE_CHECKING:
     from trellisdb.snapshot import Snapshot
     from trellisdb.vectors.service import Vectors
+
+#: The most quarantined nodes a RETRIEVE without WHERE searches past (each list is searched that
+#: much deeper); with more, it searches among the ids of the nodes not quarantined.
+OVERFETCH_MAX = 10_000
 
 SEEDS_SCHEMA = pa.schema([("id", pa.string()), ("rank", pa.int64()), ("distance", pa.float64()),
                           ("score", pa.float64())])
@@ -62,6 +74,16 @@ def vector_step(snap: Snapshot, vectors: Vectors, plan: P.Plan, bound: Bound) ->
     if pre is not None:
         candidates = snap.execute(pre[0], pre[1]).column("id").combine_chunks()
     notes = []
+    held = pa.array([], pa.string())  # quarantined nodes the searches skip (the prefilter left out the others)
+    if vs.exclude_quarantined and candidates is None:
+        held = snap.execute("SELECT node_id FROM labels WHERE label = $1", [QUARANTINED],
+                            tables=("labels",)).column("node_id").combine_chunks()
+        if len(held) > OVERFETCH_MAX:
+            candidates = snap.execute("SELECT id FROM nodes WHERE id NOT IN (SELECT node_id FROM labels WHERE "
+                                      "label = $1)", [QUARANTINED]).column("id").combine_chunks()
+            held = pa.array([], pa.string())
+        if len(held) or candidates is not None:
+            notes.append(f"quarantined: {len(held) or 'over ' + str(OVERFETCH_MAX)} node(s) left out")
     searches_vectors = vs.similar_text is not None or vs.vector_param is not None
     fused_k = 2 * k + 10 if searches_vectors and vs.matching is not None else k  # fuse from deeper lists
     hits = kw = None
@@ -74,11 +96,12 @@ def vector_step(snap: Snapshot, vectors: Vectors, plan: P.Plan, bound: Bound) ->
             assert vs.similar_text is not None
             q = vectors.query_vector(sp, vs.similar_text)
         stats = SearchStats()
-        hits = vectors.search(snap, sp, q, fused_k, candidates, stats)
+        hits = _without(vectors.search(snap, sp, q, fused_k + len(held), candidates, stats), held, fused_k)
         notes.append(f"vector: {stats.text()}")
     if vs.matching is not None:
         ks = SearchStats()
-        kw = vectors.keywords(snap, vs.entity, vs.matching, fused_k, candidates, ks)
+        kw = _without(vectors.keywords(snap, vs.entity, vs.matching, fused_k + len(held), candidates, ks), held,
+                      fused_k)
         notes.append(f"keywords: {ks.text()}")
     if hits is not None and kw is not None:
         fused = rrf([hits, kw], k)
@@ -101,6 +124,13 @@ def vector_step(snap: Snapshot, vectors: Vectors, plan: P.Plan, bound: Bound) ->
     return out, "\n".join(notes)
 
 
+def _without(hits: pa.Table, held: pa.Array, k: int) -> pa.Table:
+    """The best ``k`` of ``hits`` (best first, each id once) whose ids are not in ``held``."""
+    if not len(held):
+        return hits
+    return hits.filter(pc.invert(pc.is_in(hits["id"].cast(pa.string()), value_set=held))).slice(0, k)
+
+
 def describe_search(snap: Snapshot, vectors: Vectors, plan: P.Plan, done: str | None) -> str:
     """The vector step of EXPLAIN: the space, how it will be (or was) searched, the prefilter."""
     vs = _search(plan)
@@ -113,6 +143,9 @@ def describe_search(snap: Snapshot, vectors: Vectors, plan: P.Plan, done: str | 
     if pre is not None:
         lines.append(f"prefilter (DuckDB, before top-k): {pre[0]}")
     lines.append(f"visibility: commit_id <= {vs.snapshot}, aborted commits excluded")
+    if vs.exclude_quarantined:
+        lines.append(f"quarantine: no seed is a node labelled {QUARANTINED} as of commit {vs.snapshot} "
+                     "(INCLUDE QUARANTINED to include them)")
     if done:
         lines.append("executed: " + done.replace("\n", "; "))
     return "\n".join(lines)

@@ -37,7 +37,7 @@ _RESULT = {
     "reward": "number", "ucb": "number", "abs": "number", "ln": "number", "log10": "number", "sqrt": "number",
     "exp": "number", "power": "number", "round": "number", "floor": "number", "ceil": "number",
     "length": "number", "lower": "text", "upper": "text", "contains": "bool", "starts_with": "bool",
-    "least": "arg", "greatest": "arg", "coalesce": "arg", "has_label": "bool",
+    "least": "arg", "greatest": "arg", "coalesce": "arg", "has_label": "bool", "quarantined": "bool",
     "attr_number": "number", "attr_text": "text", "attr_bool": "bool",
 }
 #: What the arguments must be (None: any; "same": all alike).

@@ -42,3 +42,6 @@ class ViewOptions:
     #: keep the texts the rows name beside them (``texts.py``): exports read them instead of
     #: resolving them from the artifacts each time, for a copy of the texts on disk
     keep_texts: bool = True
+    #: select the nodes quarantined as of the view's commit too (by default a view leaves them out,
+    #: as if its ``where`` did: ``docs/data-model.md``, Provenance and trust)
+    include_quarantined: bool = False

@@ -21,6 +21,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from trellisdb.names import QUARANTINED
 from trellisdb.training import sql, texts
 from trellisdb.training.compute import build, compute
 from trellisdb.training.kinds import KINDS, SCHEMAS
@@ -35,11 +36,12 @@ _S = pa.string()
 
 def changed_since(since: int, comparisons: bool = True) -> str:
     """SQL for the nodes the commits after ``since`` touched: written, rewarded, given
-    artifacts, joined by an edge (either end) or compared (``comparisons``)."""
+    artifacts, joined by an edge (either end), compared (``comparisons``), quarantined or released."""
     return " UNION ".join(
-        f"SELECT {col} AS id FROM {t}_history WHERE commit_id > {int(since)}"
-        for t, col in (("nodes", "id"), ("rewards", "node_id"), ("node_artifacts", "node_id"), ("edges", "src"),
-                       ("edges", "dst"), *((("comparisons", "a"), ("comparisons", "b")) if comparisons else ()))
+        [f"SELECT {col} AS id FROM {t}_history WHERE commit_id > {int(since)}"
+         for t, col in (("nodes", "id"), ("rewards", "node_id"), ("node_artifacts", "node_id"), ("edges", "src"),
+                        ("edges", "dst"), *((("comparisons", "a"), ("comparisons", "b")) if comparisons else ()))]
+        + [f"SELECT node_id AS id FROM labels_history WHERE commit_id > {int(since)} AND label = '{QUARANTINED}'"]
     )
 
 

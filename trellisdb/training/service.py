@@ -125,6 +125,17 @@ class ViewStore:
             cat.save()
             self.stored.remove(name)
 
+    def clear(self, name: str) -> None:
+        """Delete view ``name``'s rows and texts but keep its definition (declared, not
+        materialized): what a purge does to a view it cannot compute again."""
+        self.store.writable("clear_view")
+        with self.store.lock.held():
+            cat = self.catalog()
+            spec = cat.spec(name)
+            cat.entries[name] = declared(spec)
+            cat.save()
+            self.stored.remove(name)
+
     def export(self, name: str, path: str | os.PathLike[str], format: str = "trl", *, validation: float = 0.0,
                overwrite: bool = False, skip_missing: bool = False,
                progress: Callable[[int, int], None] | None = None) -> dict[str, Any]:

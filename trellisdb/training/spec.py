@@ -46,7 +46,7 @@ class ViewSpec(ViewOptions):
             v = getattr(self, f)
             if not isinstance(v, tuple) or not all(isinstance(x, str) for x in v):
                 raise ValidationError(f"view option {f} must be a list of names, not {v!r}")
-        for f in ("drop_zero_variance", "path", "keep_texts"):
+        for f in ("drop_zero_variance", "path", "keep_texts", "include_quarantined"):
             if not isinstance(getattr(self, f), bool):
                 raise ValidationError(f"{f} must be True or False, not {getattr(self, f)!r}")
         kind = KINDS.get(self.kind) if isinstance(self.kind, str) else None

@@ -3,7 +3,8 @@ artifacts by role, their groups, and the pieces of the path kinds.
 
 A view's SQL is built in two layers. ``base`` compiles the view's ``where`` and ``reward``
 with the TQL stages (``NODES WHERE <where> RETURN id, task_id, (<reward>) AS __reward AS OF
-COMMIT c``), so names, types and parameters are checked as in a query. Around that SQL,
+COMMIT c``), so names, types and parameters are checked as in a query; its scan leaves out the
+nodes quarantined as of ``c`` unless the view has ``include_quarantined``. Around that SQL,
 ``common`` gives the CTEs every kind starts from: ``b`` (the selected nodes), ``a`` (with
 their artifact hashes by role) and ``g`` (their group memberships); each kind
 (``kinds/<kind>.py``) adds its own CTEs and the statement's body.
@@ -74,8 +75,10 @@ def base(spec: ViewOptions, cat: Catalog, commit: int) -> Base:
         plan = P.build(bound)
         if isinstance(plan, P.Project) and isinstance(plan.input, P.Sort):  # the view sorts its own rows
             plan = dataclasses.replace(plan, input=plan.input.input)
+        if not spec.include_quarantined:  # a quarantined node is not selected, as if the where left it out
+            plan = _scan(plan, exclude_quarantined=True)
         compiled = compile_plan(plan)
-        members = compile_plan(_restricted(plan, MEMBERS))
+        members = compile_plan(_scan(plan, restrict_to=MEMBERS))
     except QueryError as e:
         raise type(e)(f"view {spec.name!r}: {e}") from None
     assert members.params == compiled.params  # the restriction adds no values
@@ -86,13 +89,14 @@ def base(spec: ViewOptions, cat: Catalog, commit: int) -> Base:
 MEMBERS: Final = "__members"
 
 
-def _restricted(plan: P.Plan, relation: str) -> P.Plan:
-    """``plan`` with its nodes scan restricted to the ids in ``relation``."""
+def _scan(plan: P.Plan, **changes: Any) -> P.Plan:
+    """``plan`` with its nodes scan changed: restricted to the ids in a relation (``restrict_to``),
+    leaving out the quarantined nodes (``exclude_quarantined``)."""
     match plan:
         case P.Scan():
-            return dataclasses.replace(plan, restrict_to=relation)
+            return dataclasses.replace(plan, **changes)
         case P.Project() | P.Filter() | P.Derive() | P.Sort() | P.Limit() | P.TopPerGroup():
-            return dataclasses.replace(plan, input=_restricted(plan.input, relation))
+            return dataclasses.replace(plan, input=_scan(plan.input, **changes))
         case _:
             raise QueryError(f"a view's nodes come from a scan, not a {type(plan).__name__}")
 

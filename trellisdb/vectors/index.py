@@ -165,6 +165,18 @@ class IndexMaintainer:
     def wait(self, timeout: float | None = None) -> bool:
         return self._idle.wait(timeout)
 
+    def idle(self) -> bool:
+        """Whether no build is queued or running."""
+        with self._lock:
+            return self._idle.is_set() and not self._queue
+
+    def rebuilt(self, space: Space) -> IndexState:
+        """The state of ``space`` read afresh after its index was rebuilt or dropped outside the
+        maintainer (``rebuild_indexes``, by a purge)."""
+        st = self.state(space)
+        st.partitions, st.error = 0, None
+        return self.observe(space)
+
     def _run(self) -> None:
         while True:
             with self._lock:
@@ -227,6 +239,40 @@ class IndexMaintainer:
         import lance
 
         return lance.dataset(self._open(table).uri)
+
+
+def rebuild_indexes(ds: Any) -> dict[str, str]:
+    """Build every index of dataset ``ds`` again over the rows it holds now, each under its
+    own name, replacing the old one (a purge took rows out: the old index files still hold
+    them, until the old versions are pruned). A vector index is built as the maintainer
+    builds it (``IVF_SQ``, cosine, sqrt(n) partitions); one that cannot be trained on what is
+    left (too few vectors) is dropped: searches go exact until the maintainer builds it again.
+    Returns, per index name, "rebuilt" or "dropped". Caller holds the writer lock."""
+    import lance
+
+    out: dict[str, str] = {}
+    uri = ds.uri
+    for idx in ds.describe_indices():
+        name, column, kind = str(idx.name), str(next(iter(idx.field_names))), str(idx.index_type).upper()
+        if name in out:
+            continue
+        ds = lance.dataset(uri)
+        if kind.startswith("IVF"):
+            n = ds.count_rows(filter=f"{column} IS NOT NULL")
+            try:
+                if not n:
+                    raise ValueError("no vectors left")
+                ds.create_index(column, "IVF_SQ", name=name, metric="cosine", num_partitions=partitions_for(n),
+                                replace=True)
+                out[name] = "rebuilt"
+            except (OSError, RuntimeError, ValueError) as e:
+                log.info("the index %s of %s cannot be trained now (%s): dropped", name, uri, e)
+                lance.dataset(uri).drop_index(name)
+                out[name] = "dropped"
+        else:
+            ds.create_scalar_index(column, index_type=kind, name=name, replace=True)
+            out[name] = "rebuilt"
+    return out
 
 
 def is_conflict(e: BaseException) -> bool:
