@@ -31,7 +31,7 @@ from starlette.routing import Mount, Route
 
 from trellisdb.database import Database, open_local
 from trellisdb.mcp_server import _transport_security, build_server, http_app
-from trellisdb.service import Service
+from trellisdb.service import Caller, Service
 
 TOKEN = "mcp-s3cret"
 
@@ -139,11 +139,12 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     service = Service(db)
     steps: list[dict[str, Any]] = []
 
-    def step(body: Mapping[str, Any]) -> dict[str, Any]:
-        steps.append(dict(body))
-        return service.step(body)
+    class Recorded(Caller):
+        def step(self, body: Mapping[str, Any]) -> dict[str, Any]:
+            steps.append(dict(body))
+            return super().step(body)
 
-    mcp_app, mcp_lifespan = http_app(db, step=step, token=TOKEN)
+    mcp_app, mcp_lifespan = http_app(db, writes=Recorded(service, None), token=TOKEN)
 
     async def health(request: Request) -> Response:
         return JSONResponse({"ok": True})

@@ -118,3 +118,25 @@ def test_import_a_run_example(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
     islands = {r["island"] for r in scope["per_island"].to_pylist()}  # type: ignore[attr-defined]
     assert len(islands) == len(scope["per_island"].to_pylist())  # one per island  # type: ignore[attr-defined]
     scope["db"].close()  # type: ignore[attr-defined]
+
+
+def test_run_a_server_example(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The README's server command (a real `trellis serve` process, its token from the
+    environment), then its Python block as written, against it."""
+    from .serving import free_port, start, stop
+
+    text = README.read_text().split("## Run a server", 1)[1].split("## Connect an agent", 1)[0]
+    serve = next(line for line in text.splitlines() if " serve " in line)
+    assert serve.startswith(".venv/bin/trellis --db ./runs.db serve --port 7437 --token \"$TRELLIS_TOKEN\"")
+    token = "readme-token"
+    port = free_port()
+    proc = start(tmp_path / "runs.db", port, token)
+    try:
+        monkeypatch.setenv("TRELLIS_TOKEN", token)
+        scope: dict[str, object] = {}
+        code = example("Run a server").replace("127.0.0.1:7437", f"127.0.0.1:{port}")
+        exec(compile(code, "README.md", "exec"), scope)
+        assert [r["summary"] for r in scope["best"]] == ["hexagonal"]  # type: ignore[attr-defined]
+        assert scope["step"]["commit"] > 0  # type: ignore[index]
+    finally:
+        stop(proc)

@@ -200,3 +200,34 @@ def test_an_mcp_agent_and_an_http_client_share_the_served_store(server: tuple[st
     assert refused.group_contains(MCPError, depth=None)
     r = httpx.post(f"{url}/mcp", json={})
     assert r.status_code == 401 and r.json()["error"] == "Unauthorized"
+
+
+def test_a_slow_client_gets_408_and_slows_no_one(tmp_path: Path) -> None:
+    """A client that trickles its body holds its own connection only: others are answered at
+    their usual pace meanwhile, and it gets a JSON 408 once the body timeout passes."""
+    import socket
+
+    port = free_port()
+    proc = start(tmp_path / "db", port, TOKEN, "--body-timeout", "1.5")
+    try:
+        slow = []
+        for _ in range(4):  # several trickling clients at once
+            s = socket.create_connection(("127.0.0.1", port))
+            s.sendall(b"POST /v1/steps HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                      b"Authorization: Bearer " + TOKEN.encode() + b"\r\nContent-Length: 1000\r\n\r\n{\"session\"")
+            slow.append(s)
+        t0 = time.monotonic()
+        with RemoteDatabase(f"http://127.0.0.1:{port}", token=TOKEN) as db:
+            for k in range(5):
+                db.record_step(session="quick", task="t", summary=f"s{k}")
+            assert db.query("NODES RETURN count(*) AS n").to_pylist() == [{"n": 5}]
+        assert time.monotonic() - t0 < 1.5  # answered while the slow bodies were still arriving
+        for s in slow:
+            s.settimeout(10)
+            answer = b""
+            while b"RequestTimeout" not in answer and (chunk := s.recv(4096)):
+                answer += chunk
+            s.close()
+            assert answer.startswith(b"HTTP/1.1 408") and b'"error":"RequestTimeout"' in answer
+    finally:
+        stop(proc)

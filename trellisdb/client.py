@@ -143,8 +143,9 @@ class RemoteDatabase:
     def record_step(self, *, session: str, task: str, rewards: Mapping[str, float] | None = None,
                     agent: str | None = None, model: str | None = None, **node: Any) -> dict[str, Any]:
         """One step in one call: a node (``add_node``'s arguments) and its rewards, in ``session``
-        of ``task`` (opened if new); returns ``{"id", "commit"}`` once the step is durable. A retry
-        with the same ``id=`` is idempotent."""
+        of ``task`` (opened if new); returns ``{"id", "commit"}`` once the step is durable (with
+        ``"held": reason`` when the server's verify hook held it in quarantine). A retry with the
+        same ``id=`` is idempotent."""
         body = {"session": session, "task": task, "agent": agent, "model": model, "node": node,
                 "rewards": dict(rewards or {})}
         out: dict[str, Any] = self.request("POST", "/v1/steps", body)
@@ -163,6 +164,26 @@ class RemoteDatabase:
 
     def unlabel(self, node_ids: str | Sequence[str], *labels: str, at: object = None) -> None:
         self.call("unlabel", node_ids, *labels, at=at)
+
+    def quarantine(self, node_ids: str | Sequence[str], reason: str | None = None, *, at: object = None) -> None:
+        """Quarantine nodes (an admin's call; see ``Database.quarantine``)."""
+        self.call("quarantine", node_ids, reason, at=at)
+
+    def release(self, node_ids: str | Sequence[str], *, at: object = None) -> None:
+        """Release quarantined nodes (an admin's call; see ``Database.release``)."""
+        self.call("release", node_ids, at=at)
+
+    def purge(self, session: str | Sequence[str] | None = None, *, task: str | None = None) -> dict[str, Any]:
+        """Delete sessions' data from every stored version (an admin's call; see ``Database.purge``)."""
+        out: dict[str, Any] = self.call("purge", session, task=task)
+        return out
+
+    def purge_tenant(self, tenant: str) -> dict[str, Any]:
+        """Delete this token's tenant (``tenant`` repeats its name, as a confirmation): its whole
+        store and its tokens (an admin's call; the default tenant, the served folder itself,
+        cannot be). This token stops working with it."""
+        out: dict[str, Any] = self.request("POST", "/v1/tenant/purge", {"tenant": tenant})
+        return out
 
     def add_vectors(self, space: str, ids: Sequence[str], vectors: Any, *, target: str = "nodes") -> None:
         self.call("add_vectors", space, list(ids), vectors, target=target)

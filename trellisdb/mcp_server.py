@@ -8,9 +8,10 @@ Resources: ``trellis://schema`` (the tables and columns) and ``trellis://tql`` (
 reference). A ``TrellisError`` reaches the agent as a tool error with its message (a TQL
 syntax error with its caret and hint), so the agent can correct itself.
 
-Inside ``trellis serve``, ``record_step`` goes through the server's ``step`` (the body of ``POST
-/v1/steps``), so MCP steps join the cross-client group commit; the endpoint asks for the server's
-bearer token.
+Inside ``trellis serve``, the writing tools go through the server (``Writes``: ``record_step``
+as the body of ``POST /v1/steps``, ``add_reward`` and ``compare`` as session calls), so MCP
+steps join the cross-client group commit and carry the caller's token as their provenance and
+owner; the endpoint asks for the server's bearer token.
 
 >>> import tempfile, trellisdb
 >>> server = build_server(trellisdb.connect(tempfile.mkdtemp() + "/db", embedding_dim=4))
@@ -27,7 +28,7 @@ import threading
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, NamedTuple
+from typing import TYPE_CHECKING, Annotated, Any, NamedTuple, Protocol
 
 from mcp.server import MCPServer
 from mcp.server.mcpserver.exceptions import ToolError
@@ -57,23 +58,33 @@ def _rows(table: Any) -> dict[str, Any]:
     return {"rows": out, "count": len(rows), "truncated": len(rows) > MAX_ROWS}
 
 
-#: What ``record_step`` calls inside ``trellis serve``: ``Service.step`` (a ``POST /v1/steps`` body in,
-#: ``{"id", "commit"}`` out once durable; it blocks, so it runs in the tool's worker thread).
-StepFn = Callable[[Mapping[str, Any]], Mapping[str, Any]]
+class Writes(Protocol):
+    """What the writing tools call inside ``trellis serve`` (``service.Caller``: the server's
+    ``Service`` on behalf of the token the MCP session came with). Each blocks, so it runs in the
+    tool's worker thread."""
+
+    def step(self, body: Mapping[str, Any]) -> Mapping[str, Any]:
+        """A ``POST /v1/steps`` body in, ``{"id", "commit"}`` out once durable."""
+
+    def call(self, body: Mapping[str, Any]) -> Any:
+        """A ``POST /v1/call`` body (decoded) in, the method's result out."""
+
+    def durable(self) -> int:
+        """Every write made so far durable; the commit holding them."""
 
 
-def build_server(db: Database, *, step: StepFn | None = None, read_only: bool = False) -> MCPServer:
-    """The MCP server of the open database ``db``. With ``step`` (the HTTP server's
-    ``Service.step``), ``record_step`` hands each step to it instead of writing and flushing
-    itself, so MCP steps share the server's group commits with its other clients. ``read_only``
-    leaves out the writing tools (``record_step``, ``add_reward``, ``compare``): an analyst's."""
+def build_server(db: Database, *, writes: Writes | None = None, read_only: bool = False) -> MCPServer:
+    """The MCP server of the open database ``db``. With ``writes`` (the HTTP server's), the
+    writing tools hand their writes to it instead of writing and flushing themselves, so MCP
+    steps share the server's group commits with its other clients. ``read_only`` leaves out
+    the writing tools (``record_step``, ``add_reward``, ``compare``): an analyst's."""
     mcp = MCPServer("trellisdb", instructions=(
         "An experience-graph store: attempts (nodes) with lineage, artifacts and rewards. Use `frontier` to pick "
         "what to expand, `record_step` to record what you did, `retrieve` to find similar past attempts with "
         "their lineage, `query` for any TQL (read trellis://tql)."))
     writers: dict[str, SessionWriter] = {}
     lock = threading.Lock()
-    tasks: dict[str, str] = {}  # with ``step``: the task of each session seen to exist
+    tasks: dict[str, str] = {}  # with ``writes``: the task of each session seen to exist
 
     def writing(fn: Any) -> Any:  # a writing tool: registered unless the server is read-only
         return fn if read_only else mcp.tool()(fn)
@@ -157,7 +168,7 @@ def build_server(db: Database, *, step: StepFn | None = None, read_only: bool = 
                 w.add_reward(node_id, ch, v)
             return {"id": node_id, "commit": db.flush() or db.snapshot().commit}
 
-        def via_server(step: StepFn) -> dict[str, Any]:
+        def via_server(server: Writes) -> dict[str, Any]:
             body: dict[str, Any] = {
                 "session": session, "rewards": rewards or {},
                 "node": {"id": id, "parents": parents or [], "kind": kind, "summary": summary,
@@ -172,19 +183,22 @@ def build_server(db: Database, *, step: StepFn | None = None, read_only: bool = 
                 else:
                     body["agent"] = "mcp"  # only for a new session: reopening checks a given agent
             body["task"] = task if task is not None else known
-            out = dict(step(body))
+            out = dict(server.step(body))
             tasks[session] = body["task"]
             return {"id": out["id"], "commit": out["commit"]}
 
         # A plain ``def`` tool runs in a worker thread (anyio.to_thread), so blocking in ``step``
         # (until the group commit holding the step is durable) leaves the event loop free.
-        result: dict[str, Any] = run(write) if step is None else run(via_server, step)
+        result: dict[str, Any] = run(write) if writes is None else run(via_server, writes)
         return result
 
     @writing
     def add_reward(session: str, node: str, channel: str, value: float) -> dict[str, Any]:
         """Score a node on a reward channel (a later score of the same channel supersedes it)."""
         def score() -> dict[str, Any]:
+            if writes is not None:
+                writes.call({"method": "add_reward", "session": session, "args": [node, channel, value]})
+                return {"commit": writes.durable()}
             writer(session, None).add_reward(node, channel, value)
             return {"commit": db.flush() or db.snapshot().commit}
         out: dict[str, Any] = run(score)
@@ -196,6 +210,10 @@ def build_server(db: Database, *, step: StepFn | None = None, read_only: bool = 
                 margin: float | None = None) -> dict[str, Any]:
         """Record a judgment between two nodes (for preference training data)."""
         def judge() -> dict[str, Any]:
+            if writes is not None:
+                cid = writes.call({"method": "add_comparison", "session": session, "args": [a, b, preferred],
+                                   "kwargs": {"margin": margin, "judge": "mcp"}})
+                return {"id": cid, "commit": writes.durable()}
             cid = writer(session, None).add_comparison(a, b, preferred, margin=margin, judge="mcp")
             return {"id": cid, "commit": db.flush() or db.snapshot().commit}
         out: dict[str, Any] = run(judge)
@@ -223,12 +241,12 @@ class McpHttp(NamedTuple):
     lifespan: Callable[[], AbstractAsyncContextManager[None]]
 
 
-def http_app(db: Database, *, step: StepFn | None = None, token: str | None = None, path: str = "/mcp",
+def http_app(db: Database, *, writes: Writes | None = None, token: str | None = None, path: str = "/mcp",
              host: str = "127.0.0.1", allowed_hosts: Sequence[str] | None = None,
              max_body: int = DEFAULT_MAX_REQUEST_BODY_SIZE, read_only: bool = False) -> McpHttp:
     """The MCP endpoint of ``db`` over streamable HTTP at ``path``, for ``trellis serve`` to mount.
 
-    ``step``: the server's ``Service.step`` (``record_step`` joins its group commit). ``token``:
+    ``writes``: the server's (the writing tools join its group commit). ``token``:
     every request must carry ``Authorization: Bearer <token>`` (else 401, as the REST routes).
     ``host``: the address the server binds; on a loopback one, requests whose ``Host`` is not a
     loopback name are refused (421: DNS-rebinding protection); ``allowed_hosts`` (``"name"``,
@@ -236,7 +254,7 @@ def http_app(db: Database, *, step: StepFn | None = None, token: str | None = No
     non-loopback one without them the check is off. ``max_body``: the largest MCP message, in
     bytes (413 past it). ``read_only``: the reading tools only. Each call builds a fresh MCP
     server: its session manager runs once."""
-    server = build_server(db, step=step, read_only=read_only)
+    server = build_server(db, writes=writes, read_only=read_only)
     app: ASGIApp = server.streamable_http_app(
         streamable_http_path=path, max_request_body_size=max_body,
         transport_security=_transport_security(host, allowed_hosts))

@@ -15,6 +15,9 @@ on ``/v1/query`` and ``/v1/sql``):
   ``{"session"}``, ``/v1/sessions/close`` ``{"session", "status"}``;
 - ``POST /v1/call`` ``{"method", "args", "kwargs", "session", "tx"}``: one method of the embedded
   handle or of a session writer (``service.DB_CALLS``, ``service.SESSION_CALLS``);
+- ``POST /v1/tokens`` ``{"role", "name"}``, ``GET /v1/tokens``, ``POST /v1/tokens/revoke`` ``{"name"}``:
+  the tenant's tokens (admin); ``POST /v1/tenant/purge`` ``{"tenant"}``: delete the caller's
+  tenant, its store and tokens (admin; the name repeated as a confirmation);
 - ``POST /v1/flush`` ``{"meta"}``: every write so far durable; ``POST /v1/tx/begin`` ``{"message",
   "meta", "timeout"}`` → ``{"tx"}``, ``/v1/tx/commit`` and ``/v1/tx/rollback`` ``{"tx"}``;
 - ``/mcp``: the MCP server (``trellisdb/mcp_server.py``) over streamable HTTP, same token.
@@ -24,8 +27,8 @@ durable takes a ticket, one committer thread flushes a couple of milliseconds af
 ticket it has not covered, and each call returns once the flush covering it is done.
 
 Requests larger than ``max_body`` bytes are refused (413) before they are read whole; errors are
-JSON ``{"error": <class>, "message": ...}`` with 400 (bad input), 401 (token), 403 (read-only),
-413, 500 (a damaged store, a bug). With a ``token``, every request must carry ``Authorization:
+JSON ``{"error": <class>, "message": ...}`` with 400 (bad input), 401 (token), 403 (role,
+read-only store), 408 (a body trickled in too slowly), 413, 500 (a damaged store, a bug). With a ``token``, every request must carry ``Authorization:
 Bearer <token>``.
 """
 
@@ -40,8 +43,8 @@ from typing import TYPE_CHECKING, Any
 import pyarrow as pa
 
 from trellisdb import wire
-from trellisdb.errors import CorruptionError, ReadOnlyError, TrellisError, ValidationError
-from trellisdb.service import Service, Services, field, need_of_call, need_of_query, result_table
+from trellisdb.errors import AccessError, CorruptionError, ReadOnlyError, TrellisError, ValidationError
+from trellisdb.service import Caller, Service, Services, Verify, field, need_of_call, need_of_query, result_table
 
 if TYPE_CHECKING:
     from starlette.applications import Starlette
@@ -54,6 +57,8 @@ if TYPE_CHECKING:
 
 #: The largest request body accepted by default (a step with its artifacts; bulk data goes through ingest).
 MAX_BODY = 16 << 20
+#: Seconds a request body may take to arrive (a client that trickles it is answered 408).
+BODY_TIMEOUT = 30.0
 #: Media type of an Arrow IPC stream.
 ARROW_STREAM = "application/vnd.apache.arrow.stream"
 
@@ -68,7 +73,7 @@ class HttpError(Exception):
 
 def _status(e: TrellisError) -> int:
     """A refusal is the caller's to mend (400), a read-only store 403, damage the server's (500)."""
-    if isinstance(e, ReadOnlyError):
+    if isinstance(e, ReadOnlyError | AccessError):
         return 403
     return 500 if isinstance(e, CorruptionError) else 400
 
@@ -108,19 +113,27 @@ def _json_rows(t: pa.Table) -> str:
     return json.dumps(t.to_pylist(), default=default, allow_nan=False)
 
 
-async def _body(request: Request, limit: int) -> dict[str, Any]:
-    """The JSON object of a request, refused past ``limit`` bytes without reading the rest.
-    (Starlette's own ``max_body_size`` answers a too-large declared length in plain text, before
-    any handler: the JSON error, with the limit, needs this check.)"""
+async def _body(request: Request, limit: int, timeout: float) -> dict[str, Any]:
+    """The JSON object of a request, refused past ``limit`` bytes without reading the rest, and
+    when it takes over ``timeout`` seconds to arrive (408: a slow client holds a connection, not
+    the server). (Starlette's own ``max_body_size`` answers a too-large declared length in plain
+    text, before any handler: the JSON error, with the limit, needs this check.)"""
+    import anyio
+
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise HttpError(413, "PayloadTooLarge", f"the request is {int(declared):,} bytes; at most {limit:,} are read")
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise HttpError(413, "PayloadTooLarge", f"the request is over {limit:,} bytes, the most read")
-        chunks.append(chunk)
+    try:
+        with anyio.fail_after(timeout):
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise HttpError(413, "PayloadTooLarge", f"the request is over {limit:,} bytes, the most read")
+                chunks.append(chunk)
+    except TimeoutError:
+        raise HttpError(408, "RequestTimeout", f"the request body took over {timeout:g} s to arrive ({size:,} "
+                                               "bytes came); send it whole") from None
     try:
         value = json.loads(b"".join(chunks) or b"null")
     except (ValueError, RecursionError) as e:
@@ -131,10 +144,13 @@ async def _body(request: Request, limit: int) -> dict[str, Any]:
 
 
 def build_app(db: Database, *, token: str | None = None, max_body: int = MAX_BODY, host: str = "127.0.0.1",
-              allowed_hosts: Sequence[str] | None = None) -> Starlette:
+              allowed_hosts: Sequence[str] | None = None, body_timeout: float = BODY_TIMEOUT,
+              verify: Verify | None = None) -> Starlette:
     """The HTTP application serving ``db`` and its tenants (see the module notes): the REST routes
     under ``/v1`` and MCP at ``/mcp``. ``host`` is the address it is bound to and ``allowed_hosts``
-    the names clients may reach it by (MCP's DNS-rebinding check; ``trellisdb/mcp_server.py``)."""
+    the names clients may reach it by (MCP's DNS-rebinding check; ``trellisdb/mcp_server.py``);
+    ``body_timeout`` the seconds a request body may take to arrive; ``verify`` the
+    verify-before-insert hook every node an agent writes passes (``service.py``)."""
     import anyio
     from starlette.applications import Starlette
     from starlette.concurrency import run_in_threadpool
@@ -144,7 +160,7 @@ def build_app(db: Database, *, token: str | None = None, max_body: int = MAX_BOD
 
     from trellisdb.mcp_server import McpHttp, http_app
 
-    services = Services(db, token=token)
+    services = Services(db, token=token, verify=verify)
 
     def caller(authorization: str | None, need: str) -> Principal:
         who = services.principal(authorization)
@@ -175,27 +191,27 @@ def build_app(db: Database, *, token: str | None = None, max_body: int = MAX_BOD
         return _json({**await run_in_threadpool(service.health), "tenant": who.tenant, "role": who.role})
 
     async def query(request: Request, service: Service, who: Principal) -> Response:
-        body = await _body(request, max_body)
+        body = await _body(request, max_body, body_timeout)
         caller(request.headers.get("authorization"), need_of_query(body.get("tql")))
         return _table_response(await run_in_threadpool(service.query, body), body.get("format"))
 
     async def sql(request: Request, service: Service, who: Principal) -> Response:
-        body = await _body(request, max_body)
+        body = await _body(request, max_body, body_timeout)
         return _table_response(await run_in_threadpool(service.sql, body), body.get("format"))
 
     async def log(request: Request, service: Service, who: Principal) -> Response:
         return _json(await run_in_threadpool(service.log))
 
-    def posted(work: Callable[[Service, dict[str, Any]], Any],
+    def posted(work: Callable[[Service, dict[str, Any], Principal], Any],
                need: Callable[[dict[str, Any]], str] | None = None) -> Callable[[Request, Service, Principal],
                                                                               Awaitable[Response]]:
         """A handler taking a JSON body (wire-encoded values) and answering the work's result;
         ``need``: the right a body asks for, beyond the route's own."""
         async def handler(request: Request, service: Service, who: Principal) -> Response:
-            body = wire.decode(await _body(request, max_body))
+            body = wire.decode(await _body(request, max_body, body_timeout))
             if need is not None:
                 caller(request.headers.get("authorization"), need(body))
-            out = await run_in_threadpool(work, service, body)
+            out = await run_in_threadpool(work, service, body, who)
             table = result_table(out)
             return _table_response(table, "arrow") if table is not None else _json(out)
         return handler
@@ -203,7 +219,7 @@ def build_app(db: Database, *, token: str | None = None, max_body: int = MAX_BOD
     def tokens(work: Callable[[Principal, dict[str, Any]], Any]) -> Callable[[Request, Service, Principal],
                                                                              Awaitable[Response]]:
         async def handler(request: Request, service: Service, who: Principal) -> Response:
-            body = {} if request.method == "GET" else wire.decode(await _body(request, max_body))
+            body = {} if request.method == "GET" else wire.decode(await _body(request, max_body, body_timeout))
             return _json(await run_in_threadpool(work, who, body))
         return handler
 
@@ -214,6 +230,13 @@ def build_app(db: Database, *, token: str | None = None, max_body: int = MAX_BOD
         made = services.tokens.lookup(secret)
         assert made is not None
         return {"token": secret, "name": made.name, "tenant": made.tenant, "role": made.role}
+
+    def purge_tenant(who: Principal, body: dict[str, Any]) -> dict[str, Any]:
+        named = field(body, "tenant", str)
+        if named != who.tenant:
+            raise ValidationError(f"tenant {named[:80]!r} is not this token's ({who.tenant!r}); name your own "
+                                  "tenant to confirm its purge")
+        return services.purge_tenant(who.tenant)
 
     routes: list[BaseRoute] = [
         Route("/v1/health", guarded(health), methods=["GET"]),
@@ -227,30 +250,32 @@ def build_app(db: Database, *, token: str | None = None, max_body: int = MAX_BOD
         Route("/v1/sessions/resume", guarded(posted(Service.resume_session), "write"), methods=["POST"]),
         Route("/v1/sessions/close", guarded(posted(Service.close_session), "write"), methods=["POST"]),
         Route("/v1/tx/begin", guarded(posted(Service.begin), "write"), methods=["POST"]),
-        Route("/v1/tx/commit", guarded(posted(lambda s, b: s.end(b, commit=True)), "write"), methods=["POST"]),
-        Route("/v1/tx/rollback", guarded(posted(lambda s, b: s.end(b, commit=False)), "write"), methods=["POST"]),
+        Route("/v1/tx/commit", guarded(posted(lambda s, b, w: s.end(b, commit=True)), "write"), methods=["POST"]),
+        Route("/v1/tx/rollback", guarded(posted(lambda s, b, w: s.end(b, commit=False)), "write"),
+              methods=["POST"]),
         Route("/v1/tokens", guarded(tokens(lambda who, b: services.tokens.list(who.tenant)), "admin"),
               methods=["GET"]),
         Route("/v1/tokens", guarded(tokens(make_token), "admin"), methods=["POST"]),
+        Route("/v1/tenant/purge", guarded(tokens(purge_tenant), "admin"), methods=["POST"]),
         Route("/v1/tokens/revoke", guarded(tokens(lambda who, b: services.tokens.revoke(
             field(b, "name", str), tenant=who.tenant)), "admin"), methods=["POST"]),
     ]
 
-    # MCP over streamable HTTP at /mcp: one MCP server per tenant and access (an analyst's has only
-    # the reading tools), made on first use, its session manager run in the app's task group; its
+    # MCP over streamable HTTP at /mcp: one MCP server per token (its tenant's store, its name the
+    # provenance of its steps; an analyst's has only the reading tools), made on first use, its session manager run in the app's task group; its
     # steps join that tenant's group commit. Mounted last: "/" takes every path the routes do not.
-    mcp_apps: dict[tuple[str, bool], McpHttp] = {}
+    mcp_apps: dict[tuple[str, str, bool], McpHttp] = {}
     mcp_lock = anyio.Lock()
     group: list[anyio.abc.TaskGroup] = []
 
     async def mcp_for(who: Principal) -> McpHttp:
-        key = (who.tenant, not who.may("write"))
+        key = (who.tenant, who.name, not who.may("write"))
         async with mcp_lock:
             app = mcp_apps.get(key)
             if app is None:
                 service = await run_in_threadpool(services.service, who.tenant)
-                app = http_app(service.db, step=service.step, host=host, allowed_hosts=allowed_hosts,
-                               max_body=max_body, read_only=key[1])
+                app = http_app(service.db, writes=Caller(service, who), host=host,
+                               allowed_hosts=allowed_hosts, max_body=max_body, read_only=key[2])
 
                 async def run_manager(*, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
                                       ) -> None:
@@ -298,12 +323,13 @@ _ROLE_HELP = "agent: read and write sessions; analyst: read; admin: also views, 
 
 def serve(path: str, *, host: str = "127.0.0.1", port: int = 7437, token: str | None = None,
           max_body: int = MAX_BODY, allowed_hosts: Sequence[str] | None = None,
-          export_root: str | None = None) -> None:
+          export_root: str | None = None, body_timeout: float = BODY_TIMEOUT, verify: Verify | None = None) -> None:
     """Open the store at ``path`` and serve it (and its tenants) until interrupted (``trellis serve``)."""
     import uvicorn
 
     from trellisdb.database import open_local
 
     with open_local(path, export_root=export_root) as db:
-        app = build_app(db, token=token, max_body=max_body, host=host, allowed_hosts=allowed_hosts)
+        app = build_app(db, token=token, max_body=max_body, host=host, allowed_hosts=allowed_hosts,
+                        body_timeout=body_timeout, verify=verify)
         uvicorn.run(app, host=host, port=port, log_level="warning")

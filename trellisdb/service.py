@@ -8,10 +8,19 @@ carries it), so every piece is testable in-process.
   raised to the calls it covered (their writes stay pending in the committer, which retries).
 - **Sessions.** A session's writer is opened once and kept until the client closes the session;
   calls on one session run one at a time (a writer numbers its steps).
+- **Who writes.** Each write carries its caller (a ``tenants.Principal``): the nodes it writes
+  have provenance ``token:<name>``, a session it opens records that as its own
+  (``names.SESSION_PROVENANCE``), and an ``agent`` may write only the sessions its token opened
+  (an admin any).
 - **Transactions spanning calls.** ``begin`` starts a worker thread that opens
   ``db.transaction`` and runs the calls carrying the transaction's id (the committer keeps a
   transaction per thread); ``commit`` ends the block, ``rollback`` (or ``timeout`` seconds
   without a call) discards it.
+- **Verify before insert.** An optional ``verify`` callable sees each node an agent writes (a
+  whole step, or a session's ``add_node``) before it is staged, and answers ``"accept"``,
+  ``"hold"`` (stored quarantined: kept out of RETRIEVE, FRONTIER and the training views until an
+  admin releases it) or ``"reject"`` (refused with a ``ValidationError``), alone or as
+  ``(verdict, reason)``; see :func:`verdict_of`.
 - **Calls.** :data:`DB_CALLS` and :data:`SESSION_CALLS` are the whole remote API: each method
   of the embedded handle or of a session writer a client may call, with what it may not pass
   (callables). Anything else is refused by name.
@@ -21,6 +30,7 @@ from __future__ import annotations
 
 import inspect
 import itertools
+import os
 import queue
 import secrets
 import threading
@@ -31,7 +41,8 @@ from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 
-from trellisdb.errors import CommitError, TransactionError, ValidationError
+from trellisdb.errors import AccessError, CommitError, TransactionError, ValidationError
+from trellisdb.names import SESSION_PROVENANCE
 from trellisdb.result import Result
 from trellisdb.writer import reward_value
 
@@ -61,6 +72,7 @@ DB_CALLS: dict[str, frozenset[str]] = {
 SESSION_CALLS: dict[str, frozenset[str]] = {m: frozenset() for m in (
     "add_node", "add_edge", "add_artifact", "add_reward", "add_comparison", "set_status", "set_attrs", "label",
     "unlabel")}
+DB_CALLS.update({m: frozenset() for m in ("quarantine", "release", "purge")})
 #: Step fields a whole-step call may carry (``add_node``'s arguments).
 STEP_FIELDS = frozenset({"id", "parents", "edge_kind", "kind", "step", "status", "summary", "cost", "embedding",
                          "artifacts", "source", "attrs", "labels", "at", "action", "state"})
@@ -139,11 +151,14 @@ class _Tx:
 class Service:
     """The server's work on one open database (see the module notes)."""
 
-    def __init__(self, db: Database, *, window: float = WINDOW) -> None:
+    def __init__(self, db: Database, *, window: float = WINDOW, verify: Verify | None = None) -> None:
         self.db = db
         self.window = window
+        self.verify = verify
         self._writers: dict[str, SessionWriter] = {}
         self._session_locks: dict[str, threading.Lock] = {}
+        #: who opened each session seen (``owner``): its provenance, None for none
+        self._owners: dict[str, str | None] = {}
         self._lock = threading.Lock()
         self._txs: dict[str, _Tx] = {}
         self._tx_ids = itertools.count(1)
@@ -233,45 +248,79 @@ class Service:
         return self.db.log()
 
     # ------------------------------------------------------------ sessions
-    def _writer(self, sid: str) -> SessionWriter:
+    def _writer(self, sid: str, who: Principal | None) -> SessionWriter:
+        """The writer of session ``sid`` for ``who`` (an owner check; under its session lock)."""
+        self._check_owner(sid, who)
         with self._lock:
             w = self._writers.get(sid)
             if w is None:  # a session the server has not seen since it started: resumed
                 w = self._writers[sid] = self.db.resume(sid)
-            return w
+        w.provenance = provenance_of(who)  # who writes this call's nodes
+        return w
 
     def _session_lock(self, sid: str) -> threading.Lock:
         with self._lock:
             return self._session_locks.setdefault(sid, threading.Lock())
 
-    def open_session(self, body: Mapping[str, Any]) -> dict[str, Any]:
-        """Open (or reopen) a session: ``Database.session``'s arguments; its id and task."""
-        kw = field(body, "kwargs", dict, optional=True) or {}
-        _check_args("session", self.db.session, [], kw, frozenset())
-        w = self._in_tx(body, lambda: self.db.session(**kw))
+    def owner(self, sid: str) -> tuple[bool, str | None]:
+        """Whether session ``sid`` exists (committed, or opened here), and who opened it (its
+        ``SESSION_PROVENANCE``; None: a session opened without one, e.g. embedded)."""
+        with self._lock:
+            if sid in self._owners:
+                return True, self._owners[sid]
+        rows = self.db.sql(
+            "SELECT s.id, (SELECT text FROM attributes a WHERE a.scope = 'session' AND a.entity = s.id AND "
+            "a.key = $2) AS owner FROM sessions s WHERE s.id = $1", params=[sid, SESSION_PROVENANCE]).to_pylist()
+        if not rows:
+            return False, None
+        with self._lock:
+            self._owners[sid] = rows[0]["owner"]
+        return True, rows[0]["owner"]
+
+    def _check_owner(self, sid: str, who: Principal | None) -> None:
+        """Refuse an ``agent`` writing a session its token did not open."""
+        if who is None or who.may("admin"):
+            return
+        exists, owner = self.owner(sid)
+        if exists and owner != provenance_of(who):
+            raise AccessError(f"session {sid[:200]!r} was opened by {owner or 'a writer without a token'}; token "
+                              f"{who.name!r} (an agent) may write only the sessions it opened")
+
+    def _opened(self, w: SessionWriter, who: Principal | None) -> None:
         with self._lock:
             self._writers[w.id] = w
+            self._owners.setdefault(w.id, provenance_of(who))
+
+    def open_session(self, body: Mapping[str, Any], who: Principal | None = None) -> dict[str, Any]:
+        """Open (or reopen) a session: ``Database.session``'s arguments; its id and task."""
+        kw = field(body, "kwargs", dict, optional=True) or {}
+        _check_args("session", self.db.session, [], kw, frozenset({"provenance"}))
+        if isinstance(kw.get("id"), str):
+            self._check_owner(kw["id"], who)
+        w = self._in_tx(body, lambda: self.db.session(**kw, provenance=provenance_of(who)))
+        self._opened(w, who)
         return {"id": w.id, "task_id": w.task_id}
 
-    def resume_session(self, body: Mapping[str, Any]) -> dict[str, Any]:
+    def resume_session(self, body: Mapping[str, Any], who: Principal | None = None) -> dict[str, Any]:
         sid = field(body, "session", str)
-        w = self.db.resume(sid)
+        self._check_owner(sid, who)
+        w = self.db.resume(sid, provenance=provenance_of(who))
         with self._lock:
             self._writers[sid] = w
         return {"id": w.id, "task_id": w.task_id}
 
-    def close_session(self, body: Mapping[str, Any]) -> dict[str, Any]:
+    def close_session(self, body: Mapping[str, Any], who: Principal | None = None) -> dict[str, Any]:
         """Record a session's final status; durable on return (outside a transaction)."""
         sid = field(body, "session", str)
         status = field(body, "status", str, optional=True) or "completed"
         with self._session_lock(sid):
-            w = self._writer(sid)
+            w = self._writer(sid, who)
             self._in_tx(body, lambda: w.close(status))
             with self._lock:
                 self._writers.pop(sid, None)
         return {"id": sid}
 
-    def step(self, body: Mapping[str, Any]) -> dict[str, Any]:
+    def step(self, body: Mapping[str, Any], who: Principal | None = None) -> dict[str, Any]:
         """A whole step: the node (``add_node``'s arguments) and its rewards; durable on return."""
         node = field(body, "node", dict)
         rewards = field(body, "rewards", dict, optional=True) or {}
@@ -283,20 +332,44 @@ class Service:
         sid = field(body, "session", str)
         with self._lock:
             w = self._writers.get(sid)
-            if w is None:
+        if w is None:
+            exists, _ = self.owner(sid)
+            if not exists:
                 task = field(body, "task", str)
-                w = self._writers[sid] = self.db.session(task=task, id=sid, agent=body.get("agent"),
-                                                         model=body.get("model"))
-        with self._session_lock(sid), self._stage:  # staged, then ticketed: a flush takes both
-            node_id = w.add_node(**node)
-            for channel, value in rewards.items():
-                w.add_reward(node_id, channel, value)
-            self._staged += 1
-            ticket = self._staged
-        return {"id": node_id, "commit": self._wait_durable(ticket)}
+                with self._lock:
+                    w = self._writers.get(sid)
+                    if w is None:
+                        w = self.db.session(task=task, id=sid, agent=body.get("agent"), model=body.get("model"),
+                                            provenance=provenance_of(who))
+                        self._writers[sid] = w
+                        self._owners.setdefault(sid, provenance_of(who))
+        with self._session_lock(sid):
+            w = self._writer(sid, who)
+            held = self._verified(sid, node, rewards, who)
+            with self._stage:  # staged, then ticketed: a flush takes both
+                node_id = w.add_node(**node, **held)
+                for channel, value in rewards.items():
+                    w.add_reward(node_id, channel, value)
+                self._staged += 1
+                ticket = self._staged
+        out = {"id": node_id, "commit": self._wait_durable(ticket)}
+        return {**out, "held": held["quarantine"]} if held else out
+
+    def _verified(self, sid: str, node: Mapping[str, Any], rewards: Mapping[str, Any],
+                  who: Principal | None) -> dict[str, Any]:
+        """The ``verify`` hook's verdict on a node about to be written: ``{}`` (accept),
+        ``{"quarantine": reason}`` (hold); a rejection raised."""
+        if self.verify is None:
+            return {}
+        seen = {"session": sid, "node": dict(node), "rewards": dict(rewards),
+                "token": None if who is None else who.name, "tenant": None if who is None else who.tenant}
+        verdict, reason = verdict_of(self.verify(seen))
+        if verdict == "reject":
+            raise ValidationError(f"the server's verify hook rejected this step: {reason or 'no reason given'}")
+        return {"quarantine": reason or "held by the server's verify hook"} if verdict == "hold" else {}
 
     # ------------------------------------------------------------ calls
-    def call(self, body: Mapping[str, Any]) -> Any:
+    def call(self, body: Mapping[str, Any], who: Principal | None = None) -> Any:
         """One method of the remote API (:data:`DB_CALLS`; :data:`SESSION_CALLS` with a
         ``session``): ``{"method", "args", "kwargs", "session", "tx"}`` with decoded values; its
         result (a ``Result`` stays one)."""
@@ -312,15 +385,24 @@ class Service:
         if sid is None:
             if method == "export":  # a remote export writes under the server's export root only
                 args, kwargs = _export_args(self.db, args, kwargs)
+            if method == "ingest" and who is not None:  # the nodes are who sent them
+                kwargs = {**kwargs, "provenance": provenance_of(who)}
             fn = getattr(self.db, method)
             _check_args(method, fn, args, kwargs, refused)
-            return self._in_tx(body, lambda: fn(*args, **kwargs))
+            out = self._in_tx(body, lambda: fn(*args, **kwargs))
+            if method == "purge":  # the purged sessions' writers (and owners) are gone with them
+                with self._lock:
+                    self._writers.clear()
+                    self._owners.clear()
+            return out
         with self._session_lock(sid):
-            fn = getattr(self._writer(sid), method)
+            fn = getattr(self._writer(sid, who), method)
             _check_args(method, fn, args, kwargs, refused)
+            if method == "add_node":  # a node written call by call passes the same check as a step
+                kwargs = {**kwargs, **self._verified(sid, kwargs, {}, who)}
             return self._in_tx(body, lambda: fn(*args, **kwargs))
 
-    def flush(self, body: Mapping[str, Any]) -> int | None:
+    def flush(self, body: Mapping[str, Any], who: Principal | None = None) -> int | None:
         """Make every pending write durable (shared with other clients' flushes); the commit."""
         meta = field(body, "meta", dict, optional=True)
         if meta is not None:  # a commit carrying run state: its own
@@ -328,7 +410,7 @@ class Service:
         return self.durable()
 
     # ------------------------------------------------------------ transactions
-    def begin(self, body: Mapping[str, Any]) -> dict[str, Any]:
+    def begin(self, body: Mapping[str, Any], who: Principal | None = None) -> dict[str, Any]:
         message = field(body, "message", str, optional=True)
         meta = field(body, "meta", dict, optional=True)
         timeout = body.get("timeout", TX_TIMEOUT)
@@ -369,6 +451,54 @@ class Service:
         return fn() if tx_id is None else self._tx(tx_id).run(fn)
 
 
+class Caller:
+    """A :class:`Service`'s writes on behalf of one caller (``mcp_server.Writes``: what MCP's
+    writing tools call inside ``trellis serve``)."""
+
+    def __init__(self, service: Service, who: Principal | None) -> None:
+        self.service, self.who = service, who
+
+    def step(self, body: Mapping[str, Any]) -> dict[str, Any]:
+        return self.service.step(body, self.who)
+
+    def call(self, body: Mapping[str, Any]) -> Any:
+        return self.service.call(body, self.who)
+
+    def durable(self) -> int:
+        return self.service.durable()
+
+
+#: The verify-before-insert hook: what a node write looks like (``{"session", "node": add_node's
+#: arguments, "rewards", "token", "tenant"}``) in, a verdict out (see :func:`verdict_of`).
+Verify = Callable[[Mapping[str, Any]], Any]
+VERDICTS = ("accept", "hold", "reject")
+
+
+def verdict_of(answer: Any) -> tuple[str, str | None]:
+    """A verify hook's answer as ``(verdict, reason)``: ``"accept"``, ``"hold"`` or ``"reject"``,
+    alone or with a reason (``None`` or ``True``: accept; ``False``: reject). Anything else is the
+    hook's bug, refused as such (the write is not made).
+
+    >>> verdict_of(None), verdict_of(("hold", "reward too good")), verdict_of(False)
+    (('accept', None), ('hold', 'reward too good'), ('reject', None))
+    """
+    if answer is None or answer is True:
+        return "accept", None
+    if answer is False:
+        return "reject", None
+    verdict, reason = (answer, None) if isinstance(answer, str) else (answer if isinstance(answer, tuple) and
+                                                                       len(answer) == 2 else (None, None))
+    if verdict not in VERDICTS or not (reason is None or isinstance(reason, str)):
+        raise ValidationError(f"the server's verify hook answered {answer!r:.200}; it must answer one of "
+                              f"{', '.join(VERDICTS)}, alone or as (verdict, reason): the write was not made")
+    return verdict, reason
+
+
+def provenance_of(who: Principal | None) -> str | None:
+    """The provenance of what ``who`` writes: ``token:<name>`` (None: the database's default)."""
+    return None if who is None else f"token:{who.name}"
+
+
 def field(body: Mapping[str, Any], name: str, kind: type, *, optional: bool = False) -> Any:
     """``body[name]``, checked to be a ``kind`` (None allowed when ``optional``)."""
     v = body.get(name)
@@ -407,8 +537,10 @@ def result_table(value: Any) -> pa.Table | None:
 
 #: What each remote call needs of the caller's role (``tenants.Principal.may``).
 READS = frozenset({"tags", "resolve_as_of", "views", "view", "spaces", "index_status"})
+#: (An agent writes through its sessions; the handle's own writers touch any node: an admin's.)
 ADMIN = frozenset({"tag", "untag", "create_view", "materialize", "refresh", "drop_view", "export", "create_space",
-                   "build_index", "ingest"})
+                   "build_index", "ingest", "quarantine", "release", "purge", "set_attrs", "label", "unlabel",
+                   "add_vectors"})
 
 
 def need_of_call(body: Mapping[str, Any]) -> str:
@@ -442,15 +574,17 @@ class Services:
     ``token``: one shared token (``trellis serve --token``), the default tenant's admin. With
     neither it nor a token in the registry, the server is open: every caller is that admin."""
 
-    def __init__(self, db: Database, *, token: str | None = None, window: float = WINDOW) -> None:
+    def __init__(self, db: Database, *, token: str | None = None, window: float = WINDOW,
+                 verify: Verify | None = None) -> None:
         from trellisdb.tenants import DEFAULT_TENANT, Tokens
 
         self.root = db.path
         self.tokens = Tokens(self.root)
         self._token = token
         self._window = window
+        self._verify = verify
         self._lock = threading.Lock()
-        self._services: dict[str, Service] = {DEFAULT_TENANT: Service(db, window=window)}
+        self._services: dict[str, Service] = {DEFAULT_TENANT: Service(db, window=window, verify=verify)}
         self._opened: list[Database] = []
 
     def principal(self, authorization: str | None) -> Principal | None:
@@ -476,10 +610,39 @@ class Services:
         with self._lock:
             s = self._services.get(tenant)
             if s is None:
+                if not self.tokens.has_tenant(tenant):  # purged while this request was on its way
+                    raise AccessError(f"tenant {tenant!r} has no tokens (it was purged); make one with "
+                                      "`trellis token create`")
                 db = open_local(tenant_path(self.root, tenant))
                 self._opened.append(db)
-                s = self._services[tenant] = Service(db, window=self._window)
+                s = self._services[tenant] = Service(db, window=self._window, verify=self._verify)
             return s
+
+    def purge_tenant(self, tenant: str) -> dict[str, Any]:
+        """Delete ``tenant``: its tokens revoked (new requests are refused), its service stopped
+        (open transactions rolled back, calls in flight get errors), its store's folder removed.
+        The default tenant is the served folder itself: purge its sessions instead."""
+        import shutil
+
+        from trellisdb.tenants import DEFAULT_TENANT, check_tenant, tenant_path
+
+        check_tenant(tenant)
+        if tenant == DEFAULT_TENANT:
+            raise ValidationError("the default tenant is the served folder itself: purge its sessions "
+                                  "(purge(task=...)) or stop the server and delete the folder")
+        tokens = self.tokens.revoke_tenant(tenant)
+        with self._lock:
+            s = self._services.pop(tenant, None)
+        if s is not None:
+            s.close()
+            s.db.close()
+            with self._lock:
+                self._opened.remove(s.db)
+        path = tenant_path(self.root, tenant)
+        existed = os.path.isdir(path)
+        if existed:
+            shutil.rmtree(path)
+        return {"tenant": tenant, "tokens_revoked": tokens, "store_removed": existed}
 
     def services(self) -> list[tuple[str, Service]]:
         with self._lock:

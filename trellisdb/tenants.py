@@ -26,13 +26,16 @@ True
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
+import fcntl
 import hashlib
 import json
 import os
 import re
 import secrets
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -108,6 +111,18 @@ class Tokens:
                                   "new tokens with `trellis token create`") from None
         self._seen, self._entries, self._by_hash = (st.st_ino, st.st_mtime_ns, st.st_size), entries, by_hash
 
+    @contextlib.contextmanager
+    def _file_lock(self) -> Iterator[None]:
+        """Held while the registry is read and rewritten: a ``trellis token`` and a server's
+        ``POST /v1/tokens`` never lose each other's change."""
+        fd = os.open(f"{self.path}.lock", os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            self._seen = None  # another process may have changed it: read it again
+            yield
+        finally:
+            os.close(fd)
+
     def _save(self) -> None:
         tmp = f"{self.path}.tmp-{os.getpid()}-{threading.get_ident()}"
         with open(tmp, "w", encoding="utf-8") as f:
@@ -136,7 +151,7 @@ class Tokens:
         if role not in ROLES:
             raise ValidationError(f"role {role!r}: roles are {', '.join(ROLES)}")
         token = f"trl_{secrets.token_urlsafe(32)}"
-        with self._lock:
+        with self._lock, self._file_lock():
             self._load()
             name = name or f"{tenant}-{role}-{secrets.token_hex(3)}"
             if not _NAME.fullmatch(name):
@@ -155,9 +170,24 @@ class Tokens:
             return [{k: e[k] for k in ("name", "tenant", "role", "created")} for e in self._entries
                     if tenant is None or e["tenant"] == tenant]
 
+    def has_tenant(self, tenant: str) -> bool:
+        """Whether some token is bound to ``tenant``."""
+        with self._lock:
+            self._load()
+            return any(e["tenant"] == tenant for e in self._entries)
+
+    def revoke_tenant(self, tenant: str) -> tuple[str, ...]:
+        """Remove every token of ``tenant``; their names."""
+        with self._lock, self._file_lock():
+            self._load()
+            gone = tuple(e["name"] for e in self._entries if e["tenant"] == tenant)
+            self._entries = [e for e in self._entries if e["tenant"] != tenant]
+            self._save()
+        return gone
+
     def revoke(self, name: str, *, tenant: str | None = None) -> dict[str, Any]:
         """Remove token ``name`` (of ``tenant``, when given); what it was."""
-        with self._lock:
+        with self._lock, self._file_lock():
             self._load()
             hit = [e for e in self._entries if e["name"] == name and (tenant is None or e["tenant"] == tenant)]
             if not hit:

@@ -3,7 +3,8 @@
 trellis [--db PATH] [--read-only] [--export-root DIR] init | log | sql TEXT | query TQL | explain TQL
     | tag NAME [--move] | untag NAME | compact | verify | repair | demo
     | views | create-view NAME KIND -o K=V ... | materialize NAME | refresh NAME | export NAME PATH
-    | import FORMAT PATH | serve [--host H] [--port P] [--token T] [--allowed-host NAME]
+    | purge (--session ID ... | --task T) --yes
+    | import FORMAT PATH | serve [--host H] [--port P] [--token T] [--allowed-host NAME] [--verify MOD:FN]
     | token create --tenant T --role R [--name N] | token list [--tenant T] | token revoke NAME
 
 `output` prints the rows (the demo prints through it too); `demo` is `trellis demo`, imported
@@ -55,6 +56,24 @@ def _opt(text: str) -> tuple[str, Any]:
         return name, raw
 
 
+def _hook(spec: str) -> Any:
+    """The callable ``module:function`` names (``serve --verify``), imported now: a typo is an
+    error at start, not at the first write."""
+    import importlib
+
+    module, _, name = spec.partition(":")
+    if not module or not name:
+        raise TrellisError(f"--verify {spec!r}: name a function as module:function (e.g. mychecks:verify)")
+    sys.path.insert(0, os.getcwd())  # as `python -m` would: a module next to where the server starts
+    try:
+        fn = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as e:
+        raise TrellisError(f"--verify {spec!r}: {e}") from None
+    if not callable(fn):
+        raise TrellisError(f"--verify {spec!r} is not a function")
+    return fn
+
+
 def _server_extra(command: str) -> None:
     """Refuse ``trellis <command>`` clearly when the server extra is not installed."""
     import importlib.util
@@ -101,6 +120,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub.add_parser("verify", help="read every file; report damage")
     sub.add_parser("repair", help="recover acknowledged commits a damaged commit log lost (copies go to lost+found/)")
+    pg = sub.add_parser("purge", help="delete sessions' data from every stored version, irreversibly (needs --yes)")
+    who = pg.add_mutually_exclusive_group(required=True)
+    who.add_argument("--session", action="append", metavar="ID", help="a session to purge (repeatable)")
+    who.add_argument("--task", default=None, help="purge every session of this task")
+    pg.add_argument("--yes", action="store_true", help="confirm: what is purged cannot be recovered")
     sub.add_parser("views", help="list the training-data views")
     cv = sub.add_parser("create-view", help="declare a training-data view (kinds and options: trellisdb/training/kinds/)")
     cv.add_argument("name")
@@ -139,6 +163,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="seconds a request body may take to arrive (slower clients get 408; default 30)")
     srv.add_argument("--allowed-host", action="append", default=None, metavar="NAME",
                      help="a name clients reach the server by, for MCP's DNS-rebinding check (repeatable)")
+    srv.add_argument("--verify", default=None, metavar="MODULE:FUNCTION",
+                     help="a verify-before-insert hook: called with each node an agent writes, it answers "
+                          "accept, hold (stored quarantined) or reject (docs/server.md)")
     tok = sub.add_parser("token", help="make, list and revoke the tokens of a served store (tenants and roles)")
     tsub = tok.add_subparsers(dest="action", required=True)
     tc = tsub.add_parser("create", help="make a token; it is printed once and never stored")
@@ -210,8 +237,9 @@ def _run(args: argparse.Namespace, path: str) -> int:
         from trellisdb.server import serve
 
         print(f"serving {path} on http://{args.host}:{args.port}", file=sys.stderr, flush=True)
+        verify = _hook(args.verify) if args.verify else None
         serve(path, host=args.host, port=args.port, token=args.token, allowed_hosts=args.allowed_host,
-              export_root=args.export_root, body_timeout=args.body_timeout)
+              export_root=args.export_root, body_timeout=args.body_timeout, verify=verify)
         return 0
     if args.command == "token":
         return _token(args, path)
@@ -276,6 +304,15 @@ def _run(args: argparse.Namespace, path: str) -> int:
                       skip_missing=args.skip_missing, progress=progress)
         print(f"wrote {m['rows']} rows ({', '.join(f'{k} {v}' for k, v in m['counts'].items())}) of view "
               f"{args.name!r} at commit {m['commit']} to {target} ({m['layout']})")
+    elif args.command == "purge":
+        if not args.yes:
+            raise TrellisError("`trellis purge` deletes the sessions' data from every stored version, for good "
+                               "(time travel included); add --yes to confirm")
+        r = db.purge(task=args.task) if args.task is not None else db.purge(args.session)
+        rows = ", ".join(f"{t} {n}" for t, n in r["rows"].items() if n) or "no rows"
+        print(f"purged session(s) {', '.join(r['sessions'])} (audit commit {r['commit']}): {rows}; "
+              f"{r['shared_artifacts']} shared artifact(s) kept; views computed again: "
+              f"{', '.join(r['views_rebuilt']) or 'none'}; exports removed: {len(r['exports_removed'])}")
     elif args.command == "repair":
         from trellisdb.storage.recovery import describe
 
