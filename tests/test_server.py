@@ -231,3 +231,40 @@ def test_a_slow_client_gets_408_and_slows_no_one(tmp_path: Path) -> None:
             assert answer.startswith(b"HTTP/1.1 408") and b'"error":"RequestTimeout"' in answer
     finally:
         stop(proc)
+
+
+def test_a_failed_group_commit_reaches_the_calls_it_covered(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A flush that fails is raised to every call waiting on it (in a thread or on an event loop);
+    the writes stay pending and the next group commit makes them durable."""
+    import asyncio
+
+    from trellisdb.database import open_local
+    from trellisdb.service import Service
+
+    db = open_local(tmp_path / "db")
+    service = Service(db)
+    real, failures = db.flush, [OSError("disk full"), OSError("disk still full")]
+
+    def flaky(meta: Any = None) -> Any:
+        if failures:
+            raise failures.pop(0)
+        return real(meta)
+
+    monkeypatch.setattr(db, "flush", flaky)
+    try:
+        with pytest.raises(trellisdb.CommitError, match="disk full; they are kept and retried"):
+            service.step({"session": "s", "task": "t", "node": {"id": "a"}})
+
+        async def step(node_id: str) -> int:  # the server's path: no thread held while it waits
+            out, ticket = service.stage_step({"session": "s", "task": "t", "node": {"id": node_id}})
+            assert out == {"id": node_id}
+            return await service.durable_async(ticket)
+
+        with pytest.raises(trellisdb.CommitError, match="disk still full"):
+            asyncio.run(step("b"))
+        commit = asyncio.run(step("c"))
+        assert db.sql("SELECT id FROM nodes ORDER BY id", as_of=commit).to_pylist() == [
+            {"id": "a"}, {"id": "b"}, {"id": "c"}]
+    finally:
+        service.close()
+        db.close()

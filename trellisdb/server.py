@@ -176,7 +176,9 @@ def build_app(db: Database, *, token: str | None = None, max_body: int = MAX_BOD
         async def endpoint(request: Request) -> Response:
             try:
                 who = caller(request.headers.get("authorization"), need)
-                service = await run_in_threadpool(services.service, who.tenant)
+                service = services.opened(who.tenant)
+                if service is None:  # opened (created) on first use: I/O, in a worker thread
+                    service = await run_in_threadpool(services.service, who.tenant)
                 return await handler(request, service, who)
             except HttpError as e:
                 return JSONResponse({"error": e.kind, "message": str(e)}, status_code=e.status)
@@ -216,6 +218,19 @@ def build_app(db: Database, *, token: str | None = None, max_body: int = MAX_BOD
             return _table_response(table, "arrow") if table is not None else _json(out)
         return handler
 
+    async def step(request: Request, service: Service, who: Principal) -> Response:
+        """A whole step: staged in a worker thread, then awaited on the loop until its group
+        commit is durable (no thread held while it waits)."""
+        body = wire.decode(await _body(request, max_body, body_timeout))
+        out, ticket = await run_in_threadpool(service.stage_step, body, who)
+        return _json({**out, "commit": await service.durable_async(ticket)})
+
+    async def flush(request: Request, service: Service, who: Principal) -> Response:
+        body = wire.decode(await _body(request, max_body, body_timeout))
+        if body.get("meta") is not None:  # a commit carrying run state: its own
+            return _json(await run_in_threadpool(service.flush, body, who))
+        return _json(await service.durable_async(service.ticket()))
+
     def tokens(work: Callable[[Principal, dict[str, Any]], Any]) -> Callable[[Request, Service, Principal],
                                                                              Awaitable[Response]]:
         async def handler(request: Request, service: Service, who: Principal) -> Response:
@@ -243,9 +258,9 @@ def build_app(db: Database, *, token: str | None = None, max_body: int = MAX_BOD
         Route("/v1/query", guarded(query), methods=["POST"]),
         Route("/v1/sql", guarded(sql), methods=["POST"]),
         Route("/v1/log", guarded(log), methods=["GET"]),
-        Route("/v1/steps", guarded(posted(Service.step), "write"), methods=["POST"]),
+        Route("/v1/steps", guarded(step, "write"), methods=["POST"]),
         Route("/v1/call", guarded(posted(Service.call, need_of_call)), methods=["POST"]),
-        Route("/v1/flush", guarded(posted(Service.flush), "write"), methods=["POST"]),
+        Route("/v1/flush", guarded(flush, "write"), methods=["POST"]),
         Route("/v1/sessions", guarded(posted(Service.open_session), "write"), methods=["POST"]),
         Route("/v1/sessions/resume", guarded(posted(Service.resume_session), "write"), methods=["POST"]),
         Route("/v1/sessions/close", guarded(posted(Service.close_session), "write"), methods=["POST"]),

@@ -28,6 +28,7 @@ carries it), so every piece is testable in-process.
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import itertools
 import os
@@ -169,6 +170,8 @@ class Service:
         self._durable = 0
         self._commit = 0
         self._failed: tuple[int, BaseException] | None = None
+        #: the tickets awaited on event loops (``durable_async``): ticket, loop, future
+        self._waiters: list[tuple[int, asyncio.AbstractEventLoop, asyncio.Future[int]]] = []
         self._wake = threading.Event()
         self._closed = False
         self._thread = threading.Thread(target=self._commit_loop, name="trellisdb-server-commit", daemon=True)
@@ -182,6 +185,12 @@ class Service:
         self._closed = True
         self._wake.set()
         self._thread.join()
+        with self._done:
+            left, self._waiters = self._waiters, []
+        for _, loop, fut in left:
+            loop.call_soon_threadsafe(_settle, fut, CommitError(
+                "the server stopped before this write's group commit; retry it with its id when it is back "
+                "(a step with an id is written once)"))
 
     # ------------------------------------------------------------ group commit
     def _commit_loop(self) -> None:
@@ -204,6 +213,11 @@ class Service:
                 else:
                     self._failed = failed
                 self._done.notify_all()
+                covered = [w for w in self._waiters if w[0] <= upto]
+                self._waiters = [w for w in self._waiters if w[0] > upto]
+            for _, loop, fut in covered:  # the async waiters it covered, woken on their loops
+                outcome: int | BaseException = commit if failed is None else _failed_commit(failed[1])
+                loop.call_soon_threadsafe(_settle, fut, outcome)
 
     def _ticket(self) -> int:
         with self._stage:
@@ -216,14 +230,31 @@ class Service:
         with self._done:
             while self._durable < ticket:
                 if self._failed is not None and self._failed[0] >= ticket:
-                    raise CommitError(f"the group commit holding these writes failed: {self._failed[1]}; they "
-                                      "are kept and retried by the server") from self._failed[1]
+                    raise _failed_commit(self._failed[1])
                 self._done.wait()
             return self._commit
 
     def durable(self) -> int:
         """Every write made before this call is durable on return; the commit that holds them."""
         return self._wait_durable(self._ticket())
+
+    def ticket(self) -> int:
+        """A ticket covering every write staged so far (for :meth:`durable_async`)."""
+        return self._ticket()
+
+    async def durable_async(self, ticket: int) -> int:
+        """:meth:`_wait_durable` on an event loop: awaits the flush covering ``ticket`` without
+        holding a thread (the committer resolves the future); its commit id (or its error)."""
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[int] = loop.create_future()
+        with self._done:
+            if self._durable >= ticket:
+                return self._commit
+            if self._failed is not None and self._failed[0] >= ticket:
+                raise _failed_commit(self._failed[1])
+            self._waiters.append((ticket, loop, fut))
+        self._wake.set()
+        return await fut
 
     # ------------------------------------------------------------ reads
     def health(self) -> dict[str, Any]:
@@ -253,8 +284,10 @@ class Service:
         self._check_owner(sid, who)
         with self._lock:
             w = self._writers.get(sid)
-            if w is None:  # a session the server has not seen since it started: resumed
-                w = self._writers[sid] = self.db.resume(sid)
+        if w is None:  # a session the server has not seen since it started: resumed
+            resumed = self.db.resume(sid)
+            with self._lock:
+                w = self._writers.setdefault(sid, resumed)
         w.provenance = provenance_of(who)  # who writes this call's nodes
         return w
 
@@ -321,7 +354,15 @@ class Service:
         return {"id": sid}
 
     def step(self, body: Mapping[str, Any], who: Principal | None = None) -> dict[str, Any]:
-        """A whole step: the node (``add_node``'s arguments) and its rewards; durable on return."""
+        """A whole step: the node (``add_node``'s arguments) and its rewards; durable on return
+        (:meth:`stage_step`, then the wait for the group commit holding it)."""
+        out, ticket = self.stage_step(body, who)
+        return {**out, "commit": self._wait_durable(ticket)}
+
+    def stage_step(self, body: Mapping[str, Any], who: Principal | None = None) -> tuple[dict[str, Any], int]:
+        """Stage a whole step (checked first: a bad reward stages nothing); its answer (``id``,
+        and ``held`` when the verify hook held it) and the ticket a group commit makes durable
+        (:meth:`wait_durable` in a thread, :meth:`durable_async` on an event loop)."""
         node = field(body, "node", dict)
         rewards = field(body, "rewards", dict, optional=True) or {}
         unknown = sorted(set(node) - STEP_FIELDS)
@@ -330,20 +371,13 @@ class Service:
         for channel, value in rewards.items():  # all or nothing: a bad reward stages no node
             reward_value(str(node.get("id") or "(new node)"), channel, value)
         sid = field(body, "session", str)
-        with self._lock:
-            w = self._writers.get(sid)
-        if w is None:
-            exists, _ = self.owner(sid)
-            if not exists:
-                task = field(body, "task", str)
-                with self._lock:
-                    w = self._writers.get(sid)
-                    if w is None:
-                        w = self.db.session(task=task, id=sid, agent=body.get("agent"), model=body.get("model"),
-                                            provenance=provenance_of(who))
-                        self._writers[sid] = w
-                        self._owners.setdefault(sid, provenance_of(who))
-        with self._session_lock(sid):
+        with self._session_lock(sid):  # (opening a session holds its own lock, never the service's)
+            with self._lock:
+                known = sid in self._writers
+            if not known and not self.owner(sid)[0]:  # a new session: opened by this step
+                w = self.db.session(task=field(body, "task", str), id=sid, agent=body.get("agent"),
+                                    model=body.get("model"), provenance=provenance_of(who))
+                self._opened(w, who)
             w = self._writer(sid, who)
             held = self._verified(sid, node, rewards, who)
             with self._stage:  # staged, then ticketed: a flush takes both
@@ -352,8 +386,7 @@ class Service:
                     w.add_reward(node_id, channel, value)
                 self._staged += 1
                 ticket = self._staged
-        out = {"id": node_id, "commit": self._wait_durable(ticket)}
-        return {**out, "held": held["quarantine"]} if held else out
+        return ({"id": node_id, "held": held["quarantine"]} if held else {"id": node_id}), ticket
 
     def _verified(self, sid: str, node: Mapping[str, Any], rewards: Mapping[str, Any],
                   who: Principal | None) -> dict[str, Any]:
@@ -492,6 +525,22 @@ def verdict_of(answer: Any) -> tuple[str, str | None]:
         raise ValidationError(f"the server's verify hook answered {answer!r:.200}; it must answer one of "
                               f"{', '.join(VERDICTS)}, alone or as (verdict, reason): the write was not made")
     return verdict, reason
+
+
+def _failed_commit(cause: BaseException) -> CommitError:
+    e = CommitError(f"the group commit holding these writes failed: {cause}; they are kept and retried by the "
+                    "server")
+    e.__cause__ = cause
+    return e
+
+
+def _settle(fut: asyncio.Future[int], outcome: int | BaseException) -> None:
+    if fut.done():  # the caller went away (its request was cancelled)
+        return
+    if isinstance(outcome, BaseException):
+        fut.set_exception(outcome)
+    else:
+        fut.set_result(outcome)
 
 
 def provenance_of(who: Principal | None) -> str | None:
@@ -643,6 +692,10 @@ class Services:
         if existed:
             shutil.rmtree(path)
         return {"tenant": tenant, "tokens_revoked": tokens, "store_removed": existed}
+
+    def opened(self, tenant: str) -> Service | None:
+        """``tenant``'s service if it is open (no lock, no I/O: an event loop may ask)."""
+        return self._services.get(tenant)
 
     def services(self) -> list[tuple[str, Service]]:
         with self._lock:
