@@ -108,6 +108,16 @@ def test_a_tenant_never_sees_another_tenants_rows(served: tuple[str, Path, dict[
             a.record_step(session="s-cross", task="pack", parents=["y3"], summary="steal")
         assert [c["id"] for c in a.log()] != [c["id"] for c in b.log()] or len(a.log()) != len(b.log())
     assert os.path.isdir(tenant_path(str(path), "bolt")) and os.path.isdir(tenant_path(str(path), "acme"))
+    # embedded, the folder is one implicit tenant unless the caller names one
+    with trellisdb.connect(path, tenant="bolt", read_only=True) as emb:
+        assert emb.query("NODES RETURN count(*) AS n").to_pylist() == [{"n": 60}]
+    with trellisdb.connect(path, read_only=True) as emb:
+        assert emb.query("NODES RETURN count(*) AS n").to_pylist() == [{"n": 0}]
+    for bad in ("../acme", "Acme", ""):
+        with pytest.raises(trellisdb.ValidationError, match="tenant"):
+            trellisdb.connect(path, tenant=bad)
+    with pytest.raises(trellisdb.ValidationError, match="token's"):
+        trellisdb.connect(url, tenant="acme")
 
 
 def test_roles_allow_what_they_say(served: tuple[str, Path, dict[str, str]]) -> None:

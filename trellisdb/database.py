@@ -80,6 +80,7 @@ def connect(
     read_only: bool = False,
     export_root: str | os.PathLike[str] | None = None,
     provenance: str | None = DEFAULT_PROVENANCE,
+    tenant: str | None = None,
 ) -> Database | RemoteDatabase:
     """Open a database: a folder path (embedded; :func:`open_local` explains the options) or
     the URL of a server (``http://host:port``, ``https://...``: ``trellis serve``) with its
@@ -98,8 +99,10 @@ def connect(
     local = {"embedding_dim": embedding_dim, "commit_delay": commit_delay, "max_batch_rows": max_batch_rows,
              "auto_compact": auto_compact, "compact_fragments": compact_fragments, "create": create,
              "mirror": mirror, "auto_index": auto_index, "keep_memory": keep_memory, "read_only": read_only,
-             "export_root": export_root, "provenance": provenance}
+             "export_root": export_root, "provenance": provenance, "tenant": tenant}
     if isinstance(target, str) and target.lower().startswith(("http://", "https://")):
+        if tenant is not None:
+            raise ValidationError("tenant: a served store's tenant is its token's (`trellis token create --tenant`)")
         given = sorted(k for k, v in local.items() if v != _LOCAL_DEFAULTS[k])
         if given:
             raise ValidationError(f"{', '.join(given)}: options of an embedded store; a served store is "
@@ -112,7 +115,7 @@ def connect(
     return open_local(target, embedding_dim=embedding_dim, commit_delay=commit_delay, max_batch_rows=max_batch_rows,
                       auto_compact=auto_compact, compact_fragments=compact_fragments, create=create, mirror=mirror,
                       auto_index=auto_index, keep_memory=keep_memory, read_only=read_only, export_root=export_root,
-                      provenance=provenance)
+                      provenance=provenance, tenant=tenant)
 
 
 def open_local(
@@ -130,8 +133,13 @@ def open_local(
     read_only: bool = False,
     export_root: str | os.PathLike[str] | None = None,
     provenance: str | None = DEFAULT_PROVENANCE,
+    tenant: str | None = None,
 ) -> Database:
     """Open the database in folder ``path``, creating it if needed.
+
+    The folder is one implicit tenant; ``tenant`` names another, the store ``trellis serve``
+    keeps for that tenant in the same folder (``<path>/tenants/<tenant>/``; see
+    ``trellisdb/tenants.py``): the same store a server answers that tenant's tokens from.
 
     ``provenance`` is who the handle writes as: the ``provenance`` of the nodes it writes
     (default ``'api'``; a session may name another, ``db.session(provenance=...)``).
@@ -178,6 +186,10 @@ def open_local(
     if not isinstance(path, str) or not path or "\x00" in path:
         raise ValidationError(f"database path {path!r} must be a non-empty text path without NUL characters")
     check_text(path, "database path")
+    if tenant is not None:
+        from trellisdb.tenants import tenant_path
+
+        path = tenant_path(path, tenant)
     return Database(
         path,
         embedding_dim=embedding_dim,

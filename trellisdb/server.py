@@ -333,7 +333,8 @@ def build_app(db: Database, *, token: str | None = None, max_body: int = MAX_BOD
     return Starlette(routes=routes, lifespan=lifespan)
 
 
-_ROLE_HELP = "agent: read and write sessions; analyst: read; admin: also views, exports, tags, ingest, tokens"
+_ROLE_HELP = ("agent: read, and write its own sessions; analyst: read; admin: also any session, views, exports, "
+              "tags, ingest, quarantine, purge, tokens")
 
 
 def serve(path: str, *, host: str = "127.0.0.1", port: int = 7437, token: str | None = None,
