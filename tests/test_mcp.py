@@ -117,7 +117,8 @@ def test_resources_and_stdio(tmp_path: Path) -> None:
     assert not step.is_error
     db = open_local(path, read_only=True)
     try:
-        assert db.sql("SELECT summary FROM nodes").to_pylist() == [{"summary": "over stdio"}]
+        assert db.sql("SELECT summary, provenance FROM nodes").to_pylist() == [
+            {"summary": "over stdio", "provenance": "mcp:stdio"}]
     finally:
         db.close()
     assert json.dumps(step.structured_content)

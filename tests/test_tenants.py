@@ -261,7 +261,11 @@ def test_an_admin_purges_its_tenant(served: tuple[str, Path, dict[str, str]]) ->
         b.purge_tenant("bolt")
     with RemoteDatabase(url, token=admin) as g:
         out = g.purge_tenant("gone")
-    assert out == {"tenant": "gone", "tokens_revoked": ["g-admin", "g-agent"], "store_removed": True}
+    audit = out.pop("audit_commit")
+    assert out == {"tenant": "gone", "tokens_revoked": ["g-admin", "g-agent"], "store_removed": True, "by": "g-admin"}
+    with trellisdb.connect(path, read_only=True) as served_folder:  # the audit entry: in the folder's own log
+        entry = next(c for c in served_folder.log() if c["id"] == audit)
+    assert entry["message"] == "purge tenant" and json.loads(entry["meta"])["purge_tenant"] == out
     assert not os.path.exists(tenant_path(str(path), "gone"))
     for t in (admin, agent):
         with RemoteDatabase(url, token=t) as g, pytest.raises(trellisdb.AccessError, match="Bearer"):

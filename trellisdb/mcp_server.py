@@ -320,8 +320,9 @@ def _require_token(app: ASGIApp, token: str) -> ASGIApp:
 
 
 def serve_stdio(path: str) -> None:
-    """``trellis mcp --db PATH``: the MCP server of the store at ``path`` over stdio."""
+    """``trellis mcp --db PATH``: the MCP server of the store at ``path`` over stdio; what its
+    agent writes has provenance ``mcp:stdio``."""
     from trellisdb.database import open_local as connect
 
-    with connect(path) as db:
+    with connect(path, provenance="mcp:stdio") as db:
         build_server(db).run()

@@ -251,7 +251,7 @@ def build_app(db: Database, *, token: str | None = None, max_body: int = MAX_BOD
         if named != who.tenant:
             raise ValidationError(f"tenant {named[:80]!r} is not this token's ({who.tenant!r}); name your own "
                                   "tenant to confirm its purge")
-        return services.purge_tenant(who.tenant)
+        return services.purge_tenant(who.tenant, by=who.name)
 
     routes: list[BaseRoute] = [
         Route("/v1/health", guarded(health), methods=["GET"]),

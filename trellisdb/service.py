@@ -667,10 +667,13 @@ class Services:
                 s = self._services[tenant] = Service(db, window=self._window, verify=self._verify)
             return s
 
-    def purge_tenant(self, tenant: str) -> dict[str, Any]:
+    def purge_tenant(self, tenant: str, *, by: str | None = None) -> dict[str, Any]:
         """Delete ``tenant``: its tokens revoked (new requests are refused), its service stopped
-        (open transactions rolled back, calls in flight get errors), its store's folder removed.
-        The default tenant is the served folder itself: purge its sessions instead."""
+        (open transactions rolled back, calls in flight get errors), its store's folder removed,
+        and an audit commit in the served folder's own log (message ``purge tenant``, meta
+        ``{"purge_tenant": {"tenant", "tokens_revoked", "store_removed", "by"}}``: the tenant's
+        log went with it). The default tenant is the served folder itself: purge its sessions
+        instead."""
         import shutil
 
         from trellisdb.tenants import DEFAULT_TENANT, check_tenant, tenant_path
@@ -691,7 +694,10 @@ class Services:
         existed = os.path.isdir(path)
         if existed:
             shutil.rmtree(path)
-        return {"tenant": tenant, "tokens_revoked": tokens, "store_removed": existed}
+        report = {"tenant": tenant, "tokens_revoked": list(tokens), "store_removed": existed, "by": by}
+        with self._services[DEFAULT_TENANT].db.transaction(message="purge tenant", meta={"purge_tenant": report}) as tx:
+            pass
+        return {**report, "audit_commit": tx.commit_id}
 
     def opened(self, tenant: str) -> Service | None:
         """``tenant``'s service if it is open (no lock, no I/O: an event loop may ask)."""
