@@ -328,10 +328,15 @@ class Service:
         """Open (or reopen) a session: ``Database.session``'s arguments; its id and task."""
         kw = field(body, "kwargs", dict, optional=True) or {}
         _check_args("session", self.db.session, [], kw, frozenset({"provenance"}))
-        if isinstance(kw.get("id"), str):
-            self._check_owner(kw["id"], who)
-        w = self._in_tx(body, lambda: self.db.session(**kw, provenance=provenance_of(who)))
-        self._opened(w, who)
+        sid = kw.get("id")
+        if not isinstance(sid, str):  # a new id: nobody else can be opening it
+            w = self._in_tx(body, lambda: self.db.session(**kw, provenance=provenance_of(who)))
+            self._opened(w, who)
+            return {"id": w.id, "task_id": w.task_id}
+        with self._session_lock(sid):  # two callers opening one id: the second sees the first's
+            self._check_owner(sid, who)
+            w = self._in_tx(body, lambda: self.db.session(**kw, provenance=provenance_of(who)))
+            self._opened(w, who)
         return {"id": w.id, "task_id": w.task_id}
 
     def resume_session(self, body: Mapping[str, Any], who: Principal | None = None) -> dict[str, Any]:
