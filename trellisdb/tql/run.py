@@ -6,6 +6,7 @@ This is the stage that touches the database; the others are pure functions.
 from __future__ import annotations
 
 import dataclasses
+import html
 import json
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Protocol
@@ -115,8 +116,32 @@ class QueryResult(Result):
                 g.add_edge(src, dst, kind=kind)
         return g
 
+    # ------------------------------------------------------------ display (see trellisdb/result.py)
+    def _about(self) -> list[str]:
+        """The caption's metadata: the commit the rows are as of, its tags, the latest commit
+        when that is a later one (time travel), and what a RETRIEVE's search did."""
+        tags = sorted(t for t, c in self._snap.tags.items() if c == self.snapshot)
+        notes = [f"tag{'s' if len(tags) > 1 else ''} {', '.join(map(repr, tags))}"] if tags else []
+        if self._snap.latest != self.snapshot:
+            notes.append(f"the latest is {self._snap.latest}")
+        about = [f"as of commit {self.snapshot}" + (f" ({'; '.join(notes)})" if notes else "")]
+        return about + ([self.search] if self.search else [])
+
+    def _explained(self) -> str | None:
+        """An EXPLAIN's text, which a display shows whole rather than as a cut cell."""
+        if self._bound is None or not self._bound.query.explain or self._table.num_rows != 1:
+            return None
+        return str(self._table.column(0)[0].as_py())
+
     def __repr__(self) -> str:
-        return f"QueryResult({self._table.num_rows} rows as of commit {self.snapshot}: {', '.join(self.columns)})"
+        text = self._explained()
+        return super().__repr__() if text is None else f"{self._caption()[0]}\n{text}"
+
+    def _repr_html_(self) -> str:
+        text = self._explained()
+        if text is None:
+            return super()._repr_html_()
+        return f"<div>{html.escape(self._caption()[0])}</div>\n<pre>{html.escape(text)}</pre>"
 
 
 def catalog(latest: Snapshot) -> Catalog:
