@@ -24,6 +24,7 @@ from __future__ import annotations
 import re
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
@@ -110,6 +111,14 @@ class Reads:
                     self._names[(table, col)] = (known, last)
         return known
 
+    def seen(self, table: str, col: str, value: object) -> bool:
+        """Whether ``value`` is among the names of ``table.col`` the cache already holds: true
+        means it is a name as of the latest commit (names only come and go by a purge, which
+        empties the cache), false means look (:meth:`names`)."""
+        purged = self.state().purged
+        with self._names_lock:
+            return purged == self._names_purge and value in self._names.get((table, col), (set(), 0))[0]
+
     def spaces(self) -> list[Space]:
         """Every embedding space (built-in and named)."""
         return self.store.spaces.all()
@@ -125,6 +134,25 @@ class Reads:
                 f"{', '.join(names) or 'none'} (create one with db.create_space)"
             )
         return sp
+
+
+class Names(AbstractSet[str]):
+    """The names of ``table.col`` as of the latest commit, as a set read lazily: testing a name
+    the cache has seen reads nothing (an agent's query per step names the same session and
+    channels every time; looking again after every commit cost a SQL read each), a miss or a
+    listing reads the commits since the last look (:meth:`Reads.names`)."""
+
+    def __init__(self, reads: Reads, table: str, col: str) -> None:
+        self._reads, self._table, self._col = reads, table, col
+
+    def __contains__(self, value: object) -> bool:
+        return self._reads.seen(self._table, self._col, value) or value in self._reads.names(self._table, self._col)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._reads.names(self._table, self._col))
+
+    def __len__(self) -> int:
+        return len(self._reads.names(self._table, self._col))
 
 
 class Snapshot:
@@ -227,6 +255,10 @@ class Snapshot:
     def names(self, table: str, col: str) -> set[str]:
         """Distinct values of a name column as of the latest commit (cached; see ``Reads.names``)."""
         return self._reads.names(table, col)
+
+    def name_set(self, table: str, col: str) -> Names:
+        """The same names as a lazily read set: membership of a name seen before costs no read."""
+        return Names(self._reads, table, col)
 
     def step_commit(self, session_id: str, step: int) -> int | None:
         """The commit at which step ``step`` of a session was complete (TQL's ``AS OF STEP k OF

@@ -17,6 +17,7 @@ import dataclasses
 import datetime as dt
 import math
 from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Set as AbstractSet
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any, assert_never
@@ -113,9 +114,9 @@ _NO_AGGREGATE_IN = {
 class Catalog:
     """What names exist: channels, sessions, tasks (fetched lazily, cached) and tags."""
 
-    channels: Callable[[], set[str]]
-    sessions: Callable[[], set[str]]
-    tasks: Callable[[], set[str]]
+    channels: Callable[[], AbstractSet[str]]
+    sessions: Callable[[], AbstractSet[str]]
+    tasks: Callable[[], AbstractSet[str]]
     tags: Mapping[str, int]
     commits: Mapping[int, Mapping[str, Any]]
     last_commit: int

@@ -147,9 +147,9 @@ class QueryResult(Result):
 def catalog(latest: Snapshot) -> Catalog:
     """The names a query may use, from the latest snapshot."""
     return Catalog(
-        channels=lambda: latest.names("rewards", "channel"),
-        sessions=lambda: latest.names("sessions", "id"),
-        tasks=lambda: latest.names("tasks", "id"),
+        channels=lambda: latest.name_set("rewards", "channel"),
+        sessions=lambda: latest.name_set("sessions", "id"),
+        tasks=lambda: latest.name_set("tasks", "id"),
         tags=latest.state.tags,
         commits=latest.state.commits,
         last_commit=latest.commit,
