@@ -707,7 +707,7 @@ def test_cli_views(g: trellisdb.Database, tmp_path: Path, capsys: pytest.Capture
     assert "wrote 6 rows (train 6)" in capsys.readouterr().out
     assert len(read_jsonl(tmp_path / "out" / "train.jsonl")) == 6
     assert main([*db, "export", "p", "out"]) == 1
-    assert "exists; pass overwrite=True (or --overwrite)" in capsys.readouterr().err
+    assert "exists; use --overwrite to replace it" in capsys.readouterr().err
     assert main([*db, "refresh", "p"]) == 0
     assert main([*db, "create-view", "q", "grpo", "-o", "oops"]) == 1
 

@@ -36,6 +36,7 @@ from trellisdb.committer import DEFAULT_PROVENANCE, Committer, Transaction
 from trellisdb.errors import ValidationError
 from trellisdb.names import check_name, check_text, name_problem
 from trellisdb.paths import check_root, confined, default_root
+from trellisdb.progress import Steps
 from trellisdb.reader import commits_table
 from trellisdb.result import Result
 from trellisdb.rules import commit_meta
@@ -399,11 +400,15 @@ class Database:
                                 provenance=provenance or self._committer.provenance)
         return self._committer.commit(Batch(), message, extra=prepared, meta=checked)
 
-    def compact(self, prune_older_than: dt.timedelta = PRUNE_GRACE) -> dict[str, Any]:
+    def compact(self, prune_older_than: dt.timedelta = PRUNE_GRACE, *, progress: bool | None = None) -> dict[str, Any]:
         """Compact every table's fragments now and drop physical versions older
         than ``prune_older_than`` (default 5 minutes: readers in other processes
-        may still scan them; pass ``timedelta(0)`` when nothing else reads)."""
-        return self._committer.compact(prune_older_than)
+        may still scan them; pass ``timedelta(0)`` when nothing else reads).
+        ``progress``: a bar over the tables' compaction and cleanup steps on stderr (None: when
+        stderr is a terminal)."""
+        with Steps("compact", [""] * (2 * len(self._store.all_tables())), progress) as bar, \
+                self._store.tables.watched(lambda what, name: bar(f"{what} {name}")):
+            return self._committer.compact(prune_older_than)
 
     def purge(self, session: str | Sequence[str] | None = None, *, task: str | None = None) -> dict[str, Any]:
         """Delete a session's data (or several sessions', or every session of ``task``) from
@@ -472,12 +477,19 @@ class Database:
         """
         self._vectors.add_vectors(space, ids, vectors, target=target)
 
-    def embed(self, space: str, *, target: str = "nodes", batch_size: int = 256, progress: Any = None) -> int:
+    def embed(self, space: str, *, target: str = "nodes", batch_size: int = 256,
+              progress: bool | Callable[[int, int], object] | None = None) -> int:
         """Compute the missing vectors of ``space`` with its embedder; return how many were added.
 
         Embeds the space's text column of every row that has text and no
         vector yet, ``batch_size`` texts per commit (so a long run keeps what
-        it did). ``progress(done, total)`` is called after each batch.
+        it did, and a second call resumes). A progress bar (texts done, rate,
+        time left) goes to stderr when it is a terminal; ``progress=False``
+        silences it, ``progress=True`` shows it anyway, and a callable
+        ``progress(done, total)`` is called after each batch instead of a bar.
+
+        >>> db.embed("minilm", progress=False)            # doctest: +SKIP
+        5000
         """
         return self._vectors.embed(space, target=target, batch_size=batch_size, progress=progress)
 
@@ -504,14 +516,15 @@ class Database:
         """Every view: name, kind, definition, the commit it is materialized at and its row count."""
         return self._views.list()
 
-    def materialize(self, name: str, as_of: AsOf = None) -> dict[str, Any]:
-        """Compute view ``name`` as of a commit (default: the latest) and store its rows pinned to it."""
-        return self._views.materialize(name, as_of)
+    def materialize(self, name: str, as_of: AsOf = None, *, progress: bool | None = None) -> dict[str, Any]:
+        """Compute view ``name`` as of a commit (default: the latest) and store its rows pinned to it.
+        ``progress``: a progress bar on stderr (None: when stderr is a terminal)."""
+        return self._views.materialize(name, as_of, progress=progress)
 
-    def refresh(self, name: str) -> dict[str, Any]:
+    def refresh(self, name: str, *, progress: bool | None = None) -> dict[str, Any]:
         """Bring a materialized view to the latest commit, recomputing only what the commits
-        since its own touched (equal to a rebuild)."""
-        return self._views.refresh(name)
+        since its own touched (equal to a rebuild). ``progress``: as :meth:`materialize`'s."""
+        return self._views.refresh(name, progress=progress)
 
     def view(self, name: str) -> Result:
         """The stored rows of a materialized view (artifact hashes, provenance ``node_ids``)."""
@@ -523,11 +536,13 @@ class Database:
 
     def export(self, name: str, path: str | os.PathLike[str], format: str = "trl", *, validation: float = 0.0,
                overwrite: bool = False, skip_missing: bool = False,
-               progress: Callable[[int, int], None] | None = None) -> dict[str, Any]:
+               progress: bool | Callable[[int, int], None] | None = None) -> dict[str, Any]:
         """Write materialized view ``name`` to folder ``path`` as ``trl`` / ``openai`` JSONL or
         ``parquet``, with ``manifest.json``, ``provenance.parquet`` and a ``README.md`` card
         (``trellisdb/training/export.py`` has the layouts). ``validation``: the share of tasks
-        split off. Returns the manifest."""
+        split off. ``progress``: a progress bar over the rows on stderr (None: when stderr is a
+        terminal), or a callable ``progress(done, total)`` called after each chunk instead.
+        Returns the manifest."""
         return self._views.export(name, path, format, validation=validation, overwrite=overwrite,
                                   skip_missing=skip_missing, progress=progress)
 

@@ -1,14 +1,30 @@
 """The `trellis` command: a thin layer over the library.
 
-trellis [--db PATH] [--read-only] [--export-root DIR] init | log | sql TEXT | query TQL | explain TQL
-    | tag NAME [--move] | untag NAME | compact | verify | repair | demo
+trellis [--db PATH] [--read-only] [--export-root DIR] [--quiet] [--version] COMMAND ...
+    init | log | sql TEXT | query TQL | explain TQL
+    | tag NAME [--move] | untag NAME | compact | verify | repair
+    | demo [--seed N] [--tasks N] [--steps N] [--target F] [--report DIR] [--reset] [--no-plots]
     | views | create-view NAME KIND -o K=V ... | materialize NAME | refresh NAME | export NAME PATH
+    | embed SPACE [--target nodes|tasks] [--create]
     | purge (--session ID ... | --task T) --yes
     | import FORMAT PATH | serve [--host H] [--port P] [--token T] [--allowed-host NAME] [--verify MOD:FN]
     | token create --tenant T --role R [--name N] | token list [--tenant T] | token revoke NAME
 
-`output` prints the rows (the demo prints through it too); `demo` is `trellis demo`, imported
-when that command runs.
+Global options go before or after the command (`trellis --db X log`, `trellis log --db X`); given
+twice, the one after the command wins. The database is `--db`, else `$TRELLIS_DB`, else
+`./trellis.db`. `--quiet` (`--no-progress`) hides the progress bars, which show only when stderr
+is a terminal. Commands that print rows take `--format table|json|csv` and `--width N`.
+
+Errors print as one line, `error: ...`, exit status 1. The library's messages are written for
+Python callers and name the call to make (`pass replace=True`, `run db.materialize('x')`); the
+command rewords those phrases into the option or command that does the same (`use --replace`,
+`run trellis materialize x`) where it prints them (`in_cli_words`, the table `CLI_WORDS`), so
+each message stays right for its reader and the library keeps one text. `tests/test_cli_fixes.py`
+drives the rewordings through the command (all but those of a damaged store, checked on their
+text), so a library message that changes and slips out of its rule fails there.
+
+`output` prints the rows (the demo prints through it too); `trellis demo` runs
+`trellisdb.demo.run`, imported when that command runs.
 """
 
 from __future__ import annotations
@@ -16,16 +32,73 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
+import shlex
 import sys
 from collections.abc import Sequence
 from typing import Any
 
 import pyarrow as pa
 
-from trellisdb.cli.output import format_table
-from trellisdb.errors import TrellisError
+from trellisdb.cli.output import WIDTH, format_table
+from trellisdb.errors import NotADatabaseError, TrellisError
 
-__all__ = ["build_parser", "format_table", "main"]
+__all__ = ["CLI_WORDS", "build_parser", "format_table", "in_cli_words", "main"]
+
+#: Phrases of the library's messages that name a Python call, and the option or command that does
+#: the same here: (the commands whose errors it applies to, None: all; pattern; replacement), in
+#: order. The library's messages stay written for Python callers.
+CLI_WORDS: tuple[tuple[frozenset[str] | None, str, str], ...] = (
+    (frozenset({"create-view"}), r"pass replace=True to redefine it", "use --replace to redefine it"),
+    (None, r"run db\.materialize\('([^']*)'\)", r"run `trellis materialize \1`"),
+    (None, r"run db\.materialize\(name\)", "run `trellis materialize NAME`"),
+    (None, r"\(create one with db\.create_view\)", "(create one with `trellis create-view NAME KIND -o ...`)"),
+    (frozenset({"export"}), r"pass overwrite=True \(or --overwrite\)", "use --overwrite"),
+    (frozenset({"export"}), r"pass skip_missing=True \(--skip-missing\)", "use --skip-missing"),
+    (frozenset({"export"}), r"with db\.sql\('([^']*)'\)", r'with `trellis sql "\1"`'),
+    (frozenset({"tag"}), r"pass move=True \(trellis tag --move\)", "use --move"),
+    (None, r"db\.repair\(\) \(`trellis repair`\)", "`trellis repair`"),
+    (None, r" \(opened with read_only=True, or trellis --read-only\); open it without read_only to write",
+     " (--read-only); drop --read-only to write"),
+    (None, r" \(read_only=True, trellis --read-only\)", " (--read-only)"),
+    (None, r"\(connect\(export_root=\.\.\.\), trellis --export-root\)", "(--export-root)"),
+    (frozenset({"embed"}), r"space '([^']*)' of nodes(.*) \(create one with db\.create_space\)",
+     r"space '\1' of nodes\2 (create it, a MiniLM space, with `trellis embed \1 --create`)"),
+    (frozenset({"embed"}), r"space '([^']*)' of tasks(.*) \(create one with db\.create_space\)",
+     r"space '\1' of tasks\2 (create it, a MiniLM space, with `trellis embed \1 --target tasks --create`)"),
+    (frozenset({"embed"}), r"create a space with an embedder to embed",
+     "embed into a space of its own: `trellis embed NAME --create` (a MiniLM space)"),
+    (None, r"\(create one with db\.create_space\)", "(create a MiniLM space with `trellis embed SPACE --create`)"),
+    (frozenset({"sql"}), r"db\.sql runs one statement per call; this text has (\d+)",
+     r"trellis sql runs one statement per call; this text has \1: run each with its own `trellis sql`"),
+    (frozenset({"sql"}), r"\bdb\.sql\b", "trellis sql"),
+    # create-view's options are -o NAME=VALUE, VALUE as JSON (true, not True)
+    (frozenset({"create-view"}), r"\b(needs|e\.g\.) (\w+)=", r"\1 -o \2="),
+    (frozenset({"create-view"}), r"\b(\w+)=True\b", r"-o \1=true"),
+    (frozenset({"create-view"}), r"must be True or False", "must be true or false"),
+)
+
+
+def in_cli_words(message: str, command: str | None) -> str:
+    """``message`` (a library error's) with the Python calls it names turned into the options and
+    commands of ``trellis COMMAND`` (``CLI_WORDS``).
+
+    >>> in_cli_words("view 'best' exists; pass replace=True to redefine it (its rows go)", "create-view")
+    "view 'best' exists; use --replace to redefine it (its rows go)"
+    """
+    for commands, pattern, replacement in CLI_WORDS:
+        if commands is None or command in commands:
+            message = re.sub(pattern, replacement, message)
+    return message
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("trellisdb")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown (not installed)"
 
 
 def _default_db() -> str:
@@ -84,76 +157,136 @@ def _server_extra(command: str) -> None:
                            "pip install 'trellisdb[server]'")
 
 
+def _width(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        n = -1
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number >= 0 (0: texts are never cut)")
+    return n
+
+
+def _add_globals(p: argparse.ArgumentParser, top: bool) -> None:
+    """The options every command takes, before or after its name. After it they default to
+    nothing (``SUPPRESS``), so one given before stays unless the command's own overrides it."""
+    unset = None if top else argparse.SUPPRESS
+    flag = False if top else argparse.SUPPRESS
+    g = p.add_argument_group("global options (before or after the command)")
+    g.add_argument("--db", default=unset, metavar="PATH", help="database folder (default: $TRELLIS_DB or ./trellis.db)")
+    g.add_argument("--read-only", action="store_true", default=flag,
+                   help="open the database read-only: writes, tags, view changes and exports are refused")
+    g.add_argument("--export-root", default=unset, metavar="DIR",
+                   help="folder that export paths are relative to, and confined to (default: <db>/exports)")
+    g.add_argument("--quiet", "--no-progress", dest="quiet", action="store_true", default=flag,
+                   help="no progress bars (they show only when stderr is a terminal)")
+
+
+def _add_output(p: argparse.ArgumentParser) -> None:
+    """The options of a command that prints rows."""
+    p.add_argument("--format", choices=["table", "json", "csv"], default="table")
+    p.add_argument("--width", type=_width, default=WIDTH, metavar="N",
+                   help=f"table: cut texts at N characters (default {WIDTH}; 0: never cut them)")
+
+
+_KINDS_HELP = """\
+kinds, one row per (docs/views.md has the rules):
+  sft         node with reward >= threshold (every selected node without a threshold);
+              -o path=true: its root-to-node path; -o messages=NAME: chat turns stored in an artifact
+  preference  (chosen, rejected) pair of siblings or comparisons; -o margin=0.1 -o group_by=prompt
+              -o pairs_from='["siblings"]'
+  grpo        group of at least min_size members; -o min_size=4 -o drop_zero_variance=true
+  kto         node, label = reward >= threshold; -o threshold=... required
+  stepwise    trajectory, root first; -o threshold=... required
+  replay      sampled node; -o size=N required, -o strategy=bucket -o seed=1 -o entropy=CHANNEL
+
+every kind: -o reward="reward('score')" (a TQL expression) -o where="status = 'done'" (a TQL
+condition) -o prompt=NAME -o response=NAME -o system=NAME (the artifacts holding the texts)
+-o via='["derived_from"]' -o keep_texts=false -o include_quarantined=true
+"""
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="trellis", description="trellisdb: experience-graph database")
-    p.add_argument("--db", default=None, help="database folder (default: $TRELLIS_DB or ./trellis.db)")
-    p.add_argument("--read-only", action="store_true",
-                   help="open the database read-only: writes, tags, view changes and exports are refused")
-    p.add_argument("--export-root", default=None,
-                   help="folder that export paths are relative to, and confined to (default: <db>/exports)")
-    sub = p.add_subparsers(dest="command", required=True)
-    init = sub.add_parser("init", help="create a database")
+    p.add_argument("--version", action="version", version=f"trellis (trellisdb) {_version()}")
+    _add_globals(p, top=True)
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def command(parent: Any, name: str, **kw: Any) -> argparse.ArgumentParser:
+        c: argparse.ArgumentParser = parent.add_parser(name, **kw)
+        _add_globals(c, top=False)
+        return c
+
+    init = command(sub, "init", help="create a database")
     init.add_argument("--embedding-dim", type=int, default=None, help="embedding dimension (default 384)")
-    sub.add_parser("log", help="list the commits")
-    sql = sub.add_parser("sql", help="run DuckDB SQL over the tables")
-    sql.add_argument("text")
+    _add_output(command(sub, "log", help="list the commits"))
+    sql = command(sub, "sql", help="run one DuckDB SQL query over the tables")
+    sql.add_argument("text", help="one statement (SELECT, WITH, EXPLAIN); several are refused")
     sql.add_argument("--as-of", default=None, help="commit id, tag or ISO timestamp")
-    sql.add_argument("--format", choices=["table", "json", "csv"], default="table")
+    _add_output(sql)
     for name, what in (("query", "run a TQL query"), ("explain", "show a TQL query's plan, SQL and DuckDB plan")):
-        q = sub.add_parser(name, help=what)
+        q = command(sub, name, help=what)
         q.add_argument("text")
         q.add_argument(
             "--param", "-p", action="append", default=[], metavar="NAME=VALUE",
             help="bind $NAME; VALUE is read as JSON when it parses (5, 0.5, true, null, \"07\"), else as text",
         )
         if name == "query":
-            q.add_argument("--format", choices=["table", "json", "csv"], default="table")
-    tag = sub.add_parser("tag", help="name a commit")
+            _add_output(q)
+    tag = command(sub, "tag", help="name a commit")
     tag.add_argument("name")
     tag.add_argument("--commit", type=int, default=None)
     tag.add_argument("--move", action="store_true", help="point an existing tag at this commit")
-    untag = sub.add_parser("untag", help="remove a tag")
+    untag = command(sub, "untag", help="remove a tag")
     untag.add_argument("name")
-    compact = sub.add_parser("compact", help="compact the tables now")
+    compact = command(sub, "compact", help="compact the tables now")
     compact.add_argument(
         "--prune-now", action="store_true", help="also delete old physical versions at once (no other reader running)"
     )
-    sub.add_parser("verify", help="read every file; report damage")
-    sub.add_parser("repair", help="recover acknowledged commits a damaged commit log lost (copies go to lost+found/)")
-    pg = sub.add_parser("purge", help="delete sessions' data from every stored version, irreversibly (needs --yes)")
+    command(sub, "verify", help="read every file; report damage")
+    command(sub, "repair", help="recover acknowledged commits a damaged commit log lost (copies go to lost+found/)")
+    pg = command(sub, "purge", help="delete sessions' data from every stored version, irreversibly (needs --yes)")
     who = pg.add_mutually_exclusive_group(required=True)
     who.add_argument("--session", action="append", metavar="ID", help="a session to purge (repeatable)")
     who.add_argument("--task", default=None, help="purge every session of this task")
     pg.add_argument("--yes", action="store_true", help="confirm: what is purged cannot be recovered")
-    sub.add_parser("views", help="list the training-data views")
-    cv = sub.add_parser("create-view", help="declare a training-data view (kinds and options: trellisdb/training/kinds/)")
+    _add_output(command(sub, "views", help="list the training-data views"))
+    cv = command(sub, "create-view", help="declare a training-data view (kinds and options: trellis create-view -h)",
+                 epilog=_KINDS_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     cv.add_argument("name")
-    cv.add_argument("kind", help="sft | preference | grpo | kto | stepwise | replay")
+    cv.add_argument("kind", help="sft | preference | grpo | kto | stepwise | replay (below)")
     cv.add_argument("--opt", "-o", action="append", default=[], metavar="NAME=VALUE",
                     help="a view option, e.g. -o \"reward=reward('score')\" -o threshold=0.9 (VALUE read as JSON "
                          "when it parses)")
     cv.add_argument("--replace", action="store_true", help="redefine an existing view")
-    mat = sub.add_parser("materialize", help="compute a view and store its rows pinned to a commit")
+    mat = command(sub, "materialize", help="compute a view and store its rows pinned to a commit")
     mat.add_argument("name")
     mat.add_argument("--as-of", default=None, help="commit id, tag or ISO timestamp (default: latest)")
-    ref = sub.add_parser("refresh", help="bring a materialized view to the latest commit")
+    ref = command(sub, "refresh", help="bring a materialized view to the latest commit")
     ref.add_argument("name")
-    ex = sub.add_parser("export", help="write a materialized view as a dataset (JSONL / Parquet + manifest)")
+    ex = command(sub, "export", help="write a materialized view as a dataset (JSONL / Parquet + manifest)")
     ex.add_argument("name")
     ex.add_argument("path", help="folder to write, relative to the export root (--export-root, default <db>/exports)")
     ex.add_argument("--format", choices=["trl", "openai", "parquet"], default="trl")
-    ex.add_argument("--validation", type=float, default=0.0, help="share of tasks split off for validation")
+    ex.add_argument("--validation", type=float, default=0.0,
+                    help="share of tasks split off for validation (by task: a task's rows stay on one side)")
     ex.add_argument("--overwrite", action="store_true", help="replace the folder if an earlier export wrote it")
     ex.add_argument("--skip-missing", action="store_true", help="leave out rows whose texts are missing")
-    imp = sub.add_parser("import", help="import a recorded run (OpenEvolve, SWE-agent, JSONL, OpenTelemetry)")
+    emb = command(sub, "embed", help="compute the missing vectors of an embedding space with its embedder")
+    emb.add_argument("space")
+    emb.add_argument("--target", choices=["nodes", "tasks"], default="nodes",
+                     help="what the space holds vectors of (default nodes; their summary / spec text)")
+    emb.add_argument("--create", action="store_true",
+                     help="create the space first when it does not exist, with the offline MiniLM embedder "
+                          "(all-MiniLM-L6-v2, 384 dimensions)")
+    imp = command(sub, "import", help="import a recorded run (OpenEvolve, SWE-agent, JSONL, OpenTelemetry)")
     imp.add_argument("format", help="openevolve | swe-agent | jsonl | otel")
     imp.add_argument("path", help="the run's folder or file, as its tool wrote it")
     imp.add_argument("--task", default=None, help="task id for the run (openevolve, swe-agent, otel; default: from the run)")
     imp.add_argument("--tag-prefix", default=None,
                      help="prefix of the tags an import writes (openevolve, jsonl; the other formats write no tags)")
     imp.add_argument("--session", default=None, help="session id for the run (openevolve; default from the run folder)")
-    imp.add_argument("--no-progress", action="store_true", help="no progress bar")
-    srv = sub.add_parser("serve", help="serve the database over HTTP (needs the server extra)")
+    srv = command(sub, "serve", help="serve the database over HTTP (needs the server extra)")
     srv.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     srv.add_argument("--port", type=int, default=7437, help="port (default 7437)")
     srv.add_argument("--token", default=os.environ.get("TRELLIS_TOKEN"),
@@ -166,20 +299,30 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--verify", default=None, metavar="MODULE:FUNCTION",
                      help="a verify-before-insert hook: called with each node an agent writes, it answers "
                           "accept, hold (stored quarantined) or reject (docs/server.md)")
-    tok = sub.add_parser("token", help="make, list and revoke the tokens of a served store (tenants and roles)")
+    tok = command(sub, "token", help="make, list and revoke the tokens of a served store (tenants and roles)")
     tsub = tok.add_subparsers(dest="action", required=True)
-    tc = tsub.add_parser("create", help="make a token; it is printed once and never stored")
+    tc = command(tsub, "create", help="make a token; it is printed once and never stored")
     tc.add_argument("--tenant", default="default", help="the tenant it belongs to (default: default)")
     tc.add_argument("--role", required=True, choices=["agent", "analyst", "admin"])
     tc.add_argument("--name", default=None, help="a name for it (default: made up)")
-    tl = tsub.add_parser("list", help="the tokens (names, tenants, roles; never the tokens)")
+    tl = command(tsub, "list", help="the tokens (names, tenants, roles; never the tokens)")
     tl.add_argument("--tenant", default=None)
-    tr = tsub.add_parser("revoke", help="remove a token")
+    _add_output(tl)
+    tr = command(tsub, "revoke", help="remove a token")
     tr.add_argument("name")
-    sub.add_parser("mcp", help="serve the database to an agent over MCP on stdio (needs the server extra)")
-    demo = sub.add_parser("demo", help="run a small simulated search into the database")
-    demo.add_argument("--sessions", type=int, default=3)
-    demo.add_argument("--steps", type=int, default=12)
+    command(sub, "mcp", help="serve the database to an agent over MCP on stdio (needs the server extra)")
+    demo = command(sub, "demo", help="a simulation of cross-session reuse: cold vs warm kernel-tuning sessions, "
+                   "measured, into a new database (trellisdb/demo/)")
+    demo.add_argument("--seed", type=int, default=0, help="the agent's choices (default 0): the same seed, the same numbers")
+    demo.add_argument("--tasks", type=int, default=8, help="simulated accelerators, one cold and one warm session each "
+                      "(default 8)")
+    demo.add_argument("--steps", type=int, default=100, help="the most kernels a session evaluates (default 100)")
+    demo.add_argument("--target", type=float, default=0.95,
+                      help="a session ends within this fraction of the best possible speedup (default 0.95)")
+    demo.add_argument("--report", default=None, metavar="DIR",
+                      help="where the report goes (default: beside the database, <name>-report)")
+    demo.add_argument("--reset", action="store_true", help="remove an earlier demo's database first (only a demo's)")
+    demo.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     return p
 
 
@@ -189,8 +332,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return _run(args, path)
     except TrellisError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {in_cli_words(str(e), args.command)}", file=sys.stderr)
         return 1
+
+
+def _note(text: str) -> None:
+    """A sentence about the outcome for the person at the terminal (stderr: the rows stay clean)."""
+    print(text, file=sys.stderr)
 
 
 def _token(args: argparse.Namespace, path: str) -> int:
@@ -210,17 +358,80 @@ def _token(args: argparse.Namespace, path: str) -> int:
     elif args.action == "list":
         rows = reg.list(args.tenant)
         print(format_table(pa.Table.from_pylist(rows) if rows else pa.table({"name": pa.array([], pa.string())}),
-                           "table"))
+                           args.format, args.width))
     else:
         gone = reg.revoke(args.name)
         print(f"revoked {gone['name']!r} ({gone['role']} of tenant {gone['tenant']!r})")
     return 0
 
 
+def _open(args: argparse.Namespace, path: str) -> Any:
+    """The database the command reads: it must exist (``trellis init`` makes one)."""
+    from trellisdb.database import open_local as connect
+
+    try:
+        # one question per process: scanning Lance beats building the reader's mirror first
+        return connect(path, create=False, mirror=False, read_only=args.read_only, export_root=args.export_root)
+    except NotADatabaseError as e:
+        if "; run `trellis init" not in str(e):
+            raise  # a file, or a folder of something else: its own message says what to do
+        how = f"trellis init --db {shlex.quote(path)}" if args.db else "trellis init"
+        other = "" if args.db else " (or name another database with --db PATH or $TRELLIS_DB)"
+        raise NotADatabaseError(f"{path} is not a trellisdb database; create it with `{how}`{other}") from None
+
+
+def _empty_view(db: Any, name: str) -> str:
+    """Why view ``name`` has no rows, in its definition's terms."""
+    from trellisdb.training import ViewCatalog
+
+    return str(ViewCatalog(db.path).load().spec(name).why_empty())
+
+
+def _say_empty_splits(db: Any, name: str, m: dict[str, Any], validation: float) -> None:
+    """Say on stderr why an export wrote no rows, or a split none."""
+    from trellisdb.training import ViewCatalog
+
+    if m["rows"] == 0:
+        skipped = int(m.get("skipped_missing_texts") or 0)
+        if skipped:
+            spec = ViewCatalog(db.path).load().spec(name)
+            texts = f"a {spec.messages!r} artifact" if spec.messages else \
+                f"{spec.prompt!r} and {spec.response!r} artifacts"
+            _note(f"export wrote 0 rows: all {skipped} rows of view {name!r} lack texts the {m['format']} layout "
+                  f"needs, and --skip-missing left them out (its nodes have no {texts}: data with only summaries "
+                  "has none)")
+        else:
+            _note(f"export wrote 0 rows: view {name!r} is empty at commit {m['commit']} ({_empty_view(db, name)})")
+        return
+    if not validation:
+        return
+    tasks = m.get("split", {}).get("tasks", {})
+    total = sum(tasks.values())
+    for split, n in m["counts"].items():
+        if n == 0:
+            _note(f"split {split!r} has 0 rows: the view holds {total} task{'s' if total != 1 else ''} and splits "
+                  f"are by task (a task's rows all go to one side; sha256 of its id below --validation "
+                  f"{validation} goes to validation); more tasks, or another fraction, fill both sides")
+
+
+def _embed(args: argparse.Namespace, db: Any, progress: bool | None) -> None:
+    """``trellis embed SPACE``: the space's embedder fills its missing vectors (``--create``: a
+    MiniLM space made first, when there is none of that name)."""
+    if args.create and not any(sp["name"] == args.space and sp["target"] == args.target for sp in db.spaces()):
+        from trellisdb.embed import MiniLM
+
+        sp = db.create_space(args.space, target=args.target, embedder=MiniLM())
+        _note(f"created space {args.space!r} of {args.target} ({sp.get('model')}, {sp.get('dim')} dimensions)")
+    n = db.embed(args.space, target=args.target, progress=progress)
+    what = args.target if n != 1 else args.target[:-1]
+    print(f"embedded {n} {what} into space {args.space!r}" + ("" if n else " (every one with text has its vector)"))
+
+
 def _run(args: argparse.Namespace, path: str) -> int:
     from trellisdb.database import open_local as connect
 
-    if args.read_only and args.command in ("init", "demo", "import", "serve", "mcp", "token"):
+    progress = False if args.quiet else None  # None: a bar when stderr is a terminal
+    if args.read_only and args.command in ("init", "demo", "import", "serve", "mcp", "token", "embed"):
         raise TrellisError(f"`trellis {args.command}` writes the database; drop --read-only")
     if args.command == "init":
         db = connect(path, embedding_dim=args.embedding_dim)
@@ -249,21 +460,23 @@ def _run(args: argparse.Namespace, path: str) -> int:
         with connect(path, mirror=False) as db:
             opts = {k: v for k, v in (("task", args.task), ("tag_prefix", args.tag_prefix),
                                       ("session", args.session)) if v is not None}
-            report = import_run(db, args.format, args.path, progress=False if args.no_progress else None, **opts)
+            report = import_run(db, args.format, args.path, progress=progress, **opts)
         print(report.summary())
         return 0
     if args.command == "demo":
-        from trellisdb.cli.demo import run_demo
+        from trellisdb.demo.run import run_demo
 
-        run_demo(path, sessions=args.sessions, steps=args.steps)
+        run_demo(path, seed=args.seed, tasks=args.tasks, max_steps=args.steps, target=args.target,
+                 report=args.report, reset=args.reset, plots=not args.no_plots,
+                 show=lambda t: format_table(t, "table"))
         return 0
-    # one question per process: scanning Lance beats building the reader's mirror first
-    db = connect(path, create=False, mirror=False, read_only=args.read_only, export_root=args.export_root)
+    db = _open(args, path)
     if args.command == "log":
-        t = pa.Table.from_pylist(db.log()) if db.log() else pa.table({"id": pa.array([], pa.int64())})
-        print(format_table(t, "table"))
+        rows = db.log()
+        t = pa.Table.from_pylist(rows) if rows else pa.table({"id": pa.array([], pa.int64())})
+        print(format_table(t, args.format, args.width))
     elif args.command == "sql":
-        print(format_table(db.sql(args.text, as_of=args.as_of).to_arrow(), args.format))
+        print(format_table(db.sql(args.text, as_of=args.as_of).to_arrow(), args.format, args.width))
     elif args.command in ("query", "explain"):
         params = dict(_param(p) for p in args.param)
         text = args.text if args.command == "query" else f"EXPLAIN {args.text}"
@@ -271,7 +484,7 @@ def _run(args: argparse.Namespace, path: str) -> int:
         if args.command == "explain":
             print(res.to_pylist()[0]["explain"])
         else:
-            print(format_table(res.to_arrow(), args.format))
+            print(format_table(res.to_arrow(), args.format, args.width))
     elif args.command == "tag":
         cid = db.tag(args.name, args.commit, move=args.move)
         print(f"tagged commit {cid} as {args.name!r}")
@@ -281,29 +494,32 @@ def _run(args: argparse.Namespace, path: str) -> int:
     elif args.command == "compact":
         import datetime as dt
 
-        out = db.compact(dt.timedelta(0)) if args.prune_now else db.compact()
+        out = db.compact(dt.timedelta(0), progress=progress) if args.prune_now else db.compact(progress=progress)
         for name, m in out.items():
             print(f"{name}: {m['fragments_removed']} fragments -> {m['fragments_added']}")
     elif args.command == "views":
         vs = db.views()
-        print(format_table(pa.Table.from_pylist(vs) if vs else pa.table({"name": pa.array([], pa.string())}), "table"))
+        t = pa.Table.from_pylist(vs) if vs else pa.table({"name": pa.array([], pa.string())})
+        print(format_table(t, args.format, args.width))
     elif args.command == "create-view":
         opts = dict(_opt(o) for o in args.opt)
         e = db.create_view(args.name, args.kind, replace=args.replace, **opts)
         print(f"view {args.name!r}: {e['definition']}")
     elif args.command in ("materialize", "refresh"):
-        e = db.materialize(args.name, as_of=args.as_of) if args.command == "materialize" else db.refresh(args.name)
+        e = (db.materialize(args.name, as_of=args.as_of, progress=progress) if args.command == "materialize"
+             else db.refresh(args.name, progress=progress))
         print(f"view {args.name!r}: {e['rows']} rows at commit {e['commit']} ({e.get('how', 'built')})")
+        if e["rows"] == 0:
+            _note(f"view {args.name!r} is empty at commit {e['commit']}: {_empty_view(db, args.name)}")
     elif args.command == "export":
-        def progress(done: int, total: int) -> None:
-            if total >= 100_000:
-                print(f"\r{done}/{total} rows", end="" if done < total else "\n", file=sys.stderr, flush=True)
-
         target = db.export_target(args.path)
         m = db.export(args.name, target, args.format, validation=args.validation, overwrite=args.overwrite,
                       skip_missing=args.skip_missing, progress=progress)
         print(f"wrote {m['rows']} rows ({', '.join(f'{k} {v}' for k, v in m['counts'].items())}) of view "
               f"{args.name!r} at commit {m['commit']} to {target} ({m['layout']})")
+        _say_empty_splits(db, args.name, m, args.validation)
+    elif args.command == "embed":
+        _embed(args, db, progress)
     elif args.command == "purge":
         if not args.yes:
             raise TrellisError("`trellis purge` deletes the sessions' data from every stored version, for good "

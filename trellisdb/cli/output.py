@@ -3,6 +3,14 @@
 The one module of the command that turns a result into text, for the command and for
 `trellis demo` alike. polars lays out the table and writes the CSV, under explicit settings
 (`pl.Config`), so what prints does not depend on the terminal or on POLARS_FMT_* variables.
+A table cuts texts at `width` characters (`--width`; 0: never) and says so below it when it
+did; CSV lines end in a line feed alone (LF, as JSON lines do), never CRLF.
+
+>>> print(format_table(pa.table({"id": ["n1"], "summary": ["a" * 70]}), "table", width=8))
+| id | summary     |
+|----|-------------|
+| n1 | aaaaaaaa... |
+(1 row; texts longer than 8 characters are cut: --width N to widen, --width 0 for whole texts)
 """
 
 from __future__ import annotations
@@ -16,7 +24,8 @@ import pyarrow as pa
 Format = Literal["table", "json", "csv"]
 
 #: how a table looks: a header, a rule, one line per row (more where a text has line breaks),
-#: every row and column, texts cut at 60 characters, never wrapped to a terminal's width
+#: every row and column, texts cut at 60 characters (``WIDTH``; ``format_table``'s ``width``
+#: overrides it), never wrapped to a terminal's width
 TABLE_CONFIG: dict[str, Any] = {
     "tbl_formatting": "ASCII_MARKDOWN",
     "tbl_hide_column_data_types": True,
@@ -33,22 +42,44 @@ TABLE_CONFIG: dict[str, Any] = {
 _NATIVE = (pl.Boolean, pl.String, pl.Categorical, pl.Enum, pl.Date, pl.Datetime, pl.Time, pl.Null)
 
 
-def format_table(t: pa.Table, fmt: Format) -> str:
-    """`t` as text: `table` (aligned, with a row count), `csv` (with a header) or `json` (one object a line)."""
+#: The characters of a text a table cell shows by default (``--width``).
+WIDTH = 60
+
+
+def format_table(t: pa.Table, fmt: Format, width: int = WIDTH) -> str:
+    """`t` as text: `table` (aligned, with a row count; texts cut at `width` characters, 0: never),
+    `csv` (with a header; lines end in LF) or `json` (one object a line)."""
     df = to_frame(t)
     if fmt == "json":
         # json.dumps, not polars: the same spacing as before, and bytes / decimals / times as text
         return "\n".join(json.dumps(r, default=str) for r in df.iter_rows(named=True))
     if fmt == "csv":
-        return _plain(df).write_csv().rstrip("\n")
+        # LF, not the CRLF of Python's csv module and RFC 4180: polars' default, pinned
+        return _plain(df).write_csv(line_terminator="\n").rstrip("\n")
     if fmt != "table":
         raise ValueError(f"unknown format {fmt!r}: table, json or csv")
+    if isinstance(width, bool) or not isinstance(width, int) or width < 0:
+        raise ValueError(f"width must be a whole number >= 0 (0: texts are never cut), not {width!r}")
     n = df.height
     count = f"({n} row{'s' if n != 1 else ''})"
     if df.width == 0:
         return count
-    with pl.Config(restore_defaults=True, **TABLE_CONFIG):
-        return f"{_plain(df)}\n{count}"
+    plain = _plain(df)
+    longest = _longest_text(plain)
+    if width and longest > width:
+        count = (f"{count[:-1]}; texts longer than {width} characters are cut: --width N to widen, "
+                 "--width 0 for whole texts)")
+    with pl.Config(restore_defaults=True, **{**TABLE_CONFIG, "fmt_str_lengths": width or max(longest, 1)}):
+        return f"{plain}\n{count}"
+
+
+def _longest_text(df: pl.DataFrame) -> int:
+    """The characters of the longest text cell of ``df`` (0: none)."""
+    most = 0
+    for s in df.get_columns():
+        if isinstance(s.dtype, pl.String | pl.Categorical | pl.Enum) and s.len() > s.null_count():
+            most = max(most, int(s.cast(pl.String).str.len_chars().max()))  # type: ignore[arg-type]
+    return most
 
 
 def to_frame(t: pa.Table) -> pl.DataFrame:

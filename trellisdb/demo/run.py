@@ -16,6 +16,7 @@ same numbers.
 from __future__ import annotations
 
 import json
+import shlex
 import shutil
 import statistics
 import sys
@@ -204,7 +205,7 @@ def _time_travel(db: Database, out: Callable[[str], None], show: Show, run: Sess
     q = (f"NODES WHERE session_id = $s ORDER BY reward('speedup') DESC LIMIT 3 "
          f"RETURN step, id, reward('speedup') AS speedup, summary AS OF STEP {k} OF SESSION $s")
     out(f"\nwhat did the agent know at step {k} of session {run.session!r}? Its best kernels then:\n"
-        f"  trellis --db {path} query \"{q.replace('$s', repr(run.session))}\"")
+        f"  trellis --db {shlex.quote(path)} query \"{q.replace('$s', repr(run.session))}\"")
     out(show(db.query(q, s=run.session).to_arrow()))
     out("and what it would have expanded next, as of that step:")
     fq = FRONTIER.replace("RETURN id, reward('speedup') AS speedup, action",
@@ -225,7 +226,7 @@ def _lineage(db: Database, out: Callable[[str], None], show: Show, warm: list[Se
     res = db.query(q, n=node)
     sessions = sorted({r["session_id"] for r in res.to_pylist()})
     out(f"\nwhere the best kernel of {run.session!r} came from ({len(res)} ancestors across sessions "
-        f"{', '.join(sessions)}):\n  trellis --db {path} query \"{q.replace('$n', repr(node))}\"")
+        f"{', '.join(sessions)}):\n  trellis --db {shlex.quote(path)} query \"{q.replace('$n', repr(node))}\"")
     shown = res.to_arrow()
     out(show(shown.slice(0, 12)) + (f"\n... {len(shown) - 12} more" if len(shown) > 12 else ""))
     ids = [r["id"] for r in res.to_pylist()]

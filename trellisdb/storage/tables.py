@@ -11,6 +11,8 @@ from __future__ import annotations
 import datetime as dt
 import os
 import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 os.environ.setdefault("LANCE_LOG", "error")  # Lance's k-means and dataset-creation warnings: not the user's business
@@ -103,6 +105,22 @@ class LanceTables:
     def uri(self, name: str) -> str:
         return os.path.join(self.root, f"{name}.lance")
 
+    @contextmanager
+    def watched(self, step: Callable[[str, str], None]) -> Iterator[None]:
+        """Meanwhile, ``step(what, table)`` after each ``compact`` and ``cleanup`` this thread
+        runs (``what``: ``compact`` or ``cleanup``): a progress bar's. Other threads' (the
+        background compaction's) are not reported."""
+        self._local.watch = step
+        try:
+            yield
+        finally:
+            self._local.watch = None
+
+    def _done(self, what: str, name: str) -> None:
+        step: Callable[[str, str], None] | None = getattr(self._local, "watch", None)
+        if step is not None:
+            step(what, name)
+
     def create_all(self, dim: int) -> None:
         os.makedirs(self.root, exist_ok=True)
         for name in DATA_TABLES:
@@ -140,6 +158,7 @@ class LanceTables:
         ds = self.dataset(name)
         m = ds.optimize.compact_files(target_rows_per_fragment=target_rows, materialize_deletions=True)
         ds.checkout_latest()  # type: ignore[no-untyped-call]
+        self._done("compact", name)
         return {"fragments_removed": m.fragments_removed, "fragments_added": m.fragments_added}
 
     def compact_tiered(self, name: str, fanout: int) -> dict[str, Any] | None:
@@ -161,6 +180,7 @@ class LanceTables:
         """
         ds = lance.dataset(self.uri(name))  # own handle: may run on a background thread
         ds.cleanup_old_versions(older_than=older_than, delete_unverified=False)
+        self._done("cleanup", name)
 
     def verify(self, name: str) -> list[str]:
         """Read every data file of a table; return problems, each naming a file."""

@@ -19,6 +19,7 @@ line, column) and ``query`` (the text), see :class:`~trellisdb.errors.QueryError
 
 from __future__ import annotations
 
+import difflib
 import functools
 import os
 import re
@@ -311,6 +312,7 @@ def _accepts(text: str, pos: int, fallback: Iterable[str]) -> set[str]:
 
 def _syntax_error(text: str, e: UnexpectedInput) -> QuerySyntaxError:
     # the span: the unexpected token or character; at the end of the text (empty) when it ends too early
+    accepted: set[str] = set()
     if isinstance(e, UnexpectedEOF):
         pos = end = len(text.rstrip())
         what = f"the query ends too early; expected {_expected(_accepts(text, len(text), e.expected))}"
@@ -321,23 +323,63 @@ def _syntax_error(text: str, e: UnexpectedInput) -> QuerySyntaxError:
             what = f"the query ends too early; expected {_expected(_accepts(text, len(text), e.expected))}"
         else:
             end = int(e.token.end_pos) if e.token.end_pos is not None else pos + len(str(e.token))
-            what = f"unexpected {str(e.token)!r}; expected {_expected(_accepts(text, pos, e.expected))}"
+            accepted = _accepts(text, pos, e.expected)
+            what = f"unexpected {str(e.token)!r}; expected {_expected(accepted)}"
     elif isinstance(e, UnexpectedCharacters):
         pos = int(e.pos_in_stream or 0)
         end = min(pos + 1, len(text))
         ch = text[pos] if pos < len(text) else ""
         what = f"unexpected character {ch!r}"
-        allowed = _accepts(text, pos, e.allowed or ())
-        if allowed:
-            what += f"; expected {_expected(allowed)}"
+        accepted = _accepts(text, pos, e.allowed or ())
+        if accepted:
+            what += f"; expected {_expected(accepted)}"
     else:  # pragma: no cover - lark has no other kind
         pos, end, what = 0, 0, str(e)
     line, col = _position(text, pos)
     msg = f"line {line}, column {col}: {what}\n{_caret(text, pos)}"
-    hint = _hint(text, e)
+    hint = _did_you_mean(text, pos, accepted) or _hint(text, e)
     if hint:
         msg += f"\n  hint: {hint}"
     return QuerySyntaxError(msg, line, col, span=Span(pos, max(pos, end), line, col), query=text)
+
+
+@functools.cache
+def keywords() -> dict[str, str]:
+    """The grammar's keywords: terminal name -> the word as written (``AS_OF`` -> ``AS OF``).
+
+    >>> keywords()["FRONTIER"], keywords()["AS_OF"]
+    ('FRONTIER', 'AS OF')
+    """
+    out: dict[str, str] = {}
+    for t in parser().terminals:
+        m = re.fullmatch(r"([a-z]+(?:\\s\+[a-z]+)*)\\b", t.pattern.value)
+        if m and t.name.isupper():
+            out[t.name] = re.sub(r"\\s\+", " ", m.group(1)).upper()
+    return out
+
+
+#: How alike a word and a keyword must be (``difflib``'s ratio) for "did you mean": FRONTEIR and
+#: FRONTIER are 0.875, LIMT and LIMIT 0.89; SELECT and SESSION 0.62 are not.
+_CLOSE = 0.75
+
+
+def _did_you_mean(text: str, pos: int, accepted: set[str]) -> str | None:
+    """``did you mean KEYWORD?`` when the word at ``pos`` is a misspelling of a keyword that
+    may stand there (one of ``accepted``, the terminals the parser takes at ``pos``), with the
+    query as it would then read."""
+    m = re.compile(r"[A-Za-z_]+").match(text, pos)
+    if m is None:
+        return None
+    word = m.group(0).upper()
+    words = keywords()
+    if word in words.values():
+        return None  # a keyword in the wrong place, not a misspelt one
+    candidates = sorted({words[t] for t in accepted if t in words and " " not in words[t]})
+    close = difflib.get_close_matches(word, candidates, n=1, cutoff=_CLOSE)
+    if not close:
+        return None
+    fixed = f"{text[:m.start()]}{close[0]}{text[m.end():]}".strip()
+    return f"did you mean {close[0]}?" + (f" as in: {fixed}" if len(fixed) <= 120 and "\n" not in fixed else "")
 
 
 _CLAUSES = {"RETURN", "WHERE", "ORDER", "LIMIT", "RANK", "PER", "EXPANDED", "VIA", "FROM", "GROUP", "HAVING"}

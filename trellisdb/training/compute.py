@@ -8,7 +8,7 @@ golden files of ``tests/test_view_golden.py`` hold it per kind).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
@@ -51,8 +51,16 @@ def compute(snap: Snapshot, spec: ViewOptions, dirty: Mapping[str, pa.Table] | N
     return kind.finish(snap, spec, rows)
 
 
-def build(store: TextStore, snap: Snapshot, spec: ViewOptions) -> tuple[pa.Table, pa.Table | None]:
+def build(store: TextStore, snap: Snapshot, spec: ViewOptions,
+          step: Callable[[str], None] | None = None) -> tuple[pa.Table, pa.Table | None]:
     """The view's rows as of the snapshot with their text codes, and the texts (``texts.py``;
-    without ``keep_texts``: the rows alone, and None)."""
+    without ``keep_texts``: the rows alone, and None). ``step(label)`` is told as each step
+    starts (``compute rows``, ``resolve texts``: a progress bar's)."""
+    if step:
+        step("compute rows")
     rows = compute(snap, spec)
-    return texts.encode(store, rows, snap) if spec.keep_texts else (rows, None)
+    if not spec.keep_texts:
+        return rows, None
+    if step:
+        step("resolve texts")
+    return texts.encode(store, rows, snap)

@@ -144,6 +144,7 @@ def export(
     tmp = tempfile.mkdtemp(prefix=".trellis-export-", dir=parent)
     try:
         files, counts = _write(tmp, format, shape, rows, side, validation, progress)
+        tasks = {split: _tasks(rows, side, split) for split in counts}
         manifest = {
             "trellisdb_export": 1,
             "view": name,
@@ -158,7 +159,7 @@ def export(
             "counts": counts,
             "skipped_missing_texts": skipped,
             "split": {"by": "task_id", "rule": "sha256(task_id) as a number in [0, 1) < validation -> validation",
-                      "validation": validation},
+                      "validation": validation, "tasks": tasks},
             "files": {**files, "provenance": "provenance.parquet", "card": "README.md"},
             "provenance": "provenance.parquet: (split, row, node_ids) -- the nodes behind every row; row counts "
                           "through the split's files in order",
@@ -443,6 +444,12 @@ def _split(rows: pa.Table, validation: float) -> pa.Array:
     uniq = pc.unique(tasks)
     side = ["validation" if _unit(t) < validation else "train" for t in uniq.to_pylist()]
     return pa.array(side, pa.string()).take(pc.index_in(tasks, value_set=uniq))
+
+
+def _tasks(rows: pa.Table, side: pa.Array | None, split: str) -> int:
+    """How many tasks the rows of ``split`` hold (``side``: each row's split; None: all train)."""
+    col = rows["task_id"] if side is None else rows["task_id"].filter(pc.equal(side, split))
+    return int(pc.count_distinct(col, mode="all").as_py()) if len(col) else 0
 
 
 def _unit(task: str | None) -> float:

@@ -12,7 +12,7 @@ are rebuilt.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -115,16 +115,21 @@ class Refresh:
     fresh: pa.Table | None = None
 
 
-def refresh_rows(stored: RowStore, snap: Snapshot, spec: ViewSpec, entry: Mapping[str, Any], since: int) -> Refresh:
+def refresh_rows(stored: RowStore, snap: Snapshot, spec: ViewSpec, entry: Mapping[str, Any], since: int,
+                 step: Callable[[str], None] | None = None) -> Refresh:
     """The change that brings the view from its rows at ``since`` to the snapshot: rows behind
     the touched nodes and groups are recomputed, the rest kept. Views that cannot be refreshed
-    by parts are rebuilt."""
+    by parts are rebuilt. ``step(label)`` is told as each step starts (a progress bar's)."""
+    def at(label: str) -> None:
+        if step:
+            step(label)
+
     kind = KINDS[spec.kind]
     global_condition = sql.base_at(snap, spec).accessors
     if kind.rebuilds is not None or global_condition or "texts_version" not in entry:
         why = (kind.rebuilds if kind.rebuilds is not None else
                "its condition reads other nodes" if global_condition else "stored before views kept their texts")
-        rows, text = build(stored.texts, snap, spec)
+        rows, text = build(stored.texts, snap, spec, step)
         return Refresh(f"rebuilt ({why})", text, rows=rows)
     # the old rows (kept, or a Lance read) load on a thread while DuckDB finds and recomputes the touched groups
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="trellis-refresh") as pool:
@@ -133,6 +138,7 @@ def refresh_rows(stored: RowStore, snap: Snapshot, spec: ViewSpec, entry: Mappin
         known = pool.submit(stored.texts.known_of, entry) if kept else None
         # the artifacts written since, read ahead (their texts are the new rows' likeliest to lack)
         ahead = pool.submit(texts.written_since, snap, since) if kept else None
+        at("find touched nodes")
         ids, groups, members, group_edges = _dirty(snap, spec, since)
         if len(ids) == 0:
             reading.cancel()
@@ -144,6 +150,7 @@ def refresh_rows(stored: RowStore, snap: Snapshot, spec: ViewSpec, entry: Mappin
         kinds = sql.kinds_in(spec)
         rel = {"__changed": pa.table({"id": ids})}
         fresh: pa.Table | None = None
+        at("recompute rows")
         if not spec.paths:  # recompute now; redone below if the old rows name more groups
             fresh = _recompute(snap, spec, ids, groups, members=members, edges=group_edges)
         old, touched = reading.result(), touching.result()
@@ -174,6 +181,7 @@ def refresh_rows(stored: RowStore, snap: Snapshot, spec: ViewSpec, entry: Mappin
     drop = old[ROW_ID].filter(touched).to_numpy()
     text = None
     if have is not None:
+        at("resolve texts")
         fresh, text = texts.extend(stored.texts, fresh, have, since, snap, new)
     return Refresh(f"refreshed ({len(ids)} touched nodes, {len(drop)} rows replaced by {fresh.num_rows})",
                    text, drop=drop, fresh=fresh)

@@ -10,12 +10,12 @@ changes. ``Database``'s view methods delegate here.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 
 from trellisdb.errors import TransactionError, ValidationError
+from trellisdb.progress import Progress, Steps, rows_callback
 from trellisdb.training.catalog import ViewCatalog, declared
 from trellisdb.training.compute import build, check
 from trellisdb.training.export import export
@@ -68,20 +68,25 @@ class ViewStore:
         return [{"name": n, "kind": e["spec"]["kind"], "definition": e["definition"], "commit": e["commit"],
                  "rows": e["rows"], "computed_at": e.get("computed_at")} for n, e in sorted(cat.entries.items())]
 
-    def materialize(self, name: str, as_of: object = None) -> dict[str, Any]:
-        """Compute view ``name`` as of ``as_of`` (default: the latest commit) and store its rows."""
+    def materialize(self, name: str, as_of: object = None, *, progress: bool | None = None) -> dict[str, Any]:
+        """Compute view ``name`` as of ``as_of`` (default: the latest commit) and store its rows
+        (``progress``: a bar over the steps, ``progress.py``)."""
         self.store.writable("materialize")
         self.committer.flush()
         snap = self.reads.at(as_of)
         spec = self.catalog().spec(name)
-        rows, texts = build(self.texts, snap, spec)
-        with self.store.lock.held():
-            cat = self.catalog()
-            cat.spec(name)
-            return self.stored.write(cat, spec, rows, texts, snap.commit, "built")
+        steps = ("compute rows", "resolve texts", "write") if spec.keep_texts else ("compute rows", "write")
+        with Steps(f"materialize {name}", steps, progress) as step:
+            rows, texts = build(self.texts, snap, spec, step)
+            step("write")
+            with self.store.lock.held():
+                cat = self.catalog()
+                cat.spec(name)
+                return self.stored.write(cat, spec, rows, texts, snap.commit, "built")
 
-    def refresh(self, name: str) -> dict[str, Any]:
-        """Bring a materialized view to the latest commit, recomputing only what changed."""
+    def refresh(self, name: str, *, progress: bool | None = None) -> dict[str, Any]:
+        """Bring a materialized view to the latest commit, recomputing only what changed
+        (``progress``: a bar over the steps, ``progress.py``)."""
         self.store.writable("refresh")
         self.committer.flush()
         for _attempt in range(3):
@@ -91,19 +96,22 @@ class ViewStore:
             snap = self.reads.at()
             upto = snap.commit
             if entry["commit"] is None:
-                return self.materialize(name)
+                return self.materialize(name, progress=progress)
             if entry["commit"] >= upto:
                 return dict(entry)
-            r = refresh_rows(self.stored, snap, spec, entry, int(entry["commit"]))
-            with self.store.lock.held():
-                cat = self.catalog()
-                now = cat.entries.get(name)
-                if now is None or now.get("version") != entry["version"]:
-                    continue  # another process changed the view meanwhile: start again from its state
-                if r.rows is not None:
-                    return self.stored.write(cat, spec, r.rows, r.texts, upto, r.how)
-                assert r.fresh is not None
-                return self.stored.write_delta(cat, spec, entry, r.drop, r.fresh, r.texts, upto, r.how)
+            with Steps(f"refresh {name}", ("find touched nodes", "recompute rows", "resolve texts", "write"),
+                       progress) as step:
+                r = refresh_rows(self.stored, snap, spec, entry, int(entry["commit"]), step)
+                step("write")
+                with self.store.lock.held():
+                    cat = self.catalog()
+                    now = cat.entries.get(name)
+                    if now is None or now.get("version") != entry["version"]:
+                        continue  # another process changed the view meanwhile: start again from its state
+                    if r.rows is not None:
+                        return self.stored.write(cat, spec, r.rows, r.texts, upto, r.how)
+                    assert r.fresh is not None
+                    return self.stored.write_delta(cat, spec, entry, r.drop, r.fresh, r.texts, upto, r.how)
         raise TransactionError(f"view {name!r} kept changing under this refresh; try again")
 
     def rows(self, name: str) -> pa.Table:
@@ -138,8 +146,13 @@ class ViewStore:
 
     def export(self, name: str, path: str | os.PathLike[str], format: str = "trl", *, validation: float = 0.0,
                overwrite: bool = False, skip_missing: bool = False,
-               progress: Callable[[int, int], None] | None = None) -> dict[str, Any]:
-        """Write materialized view ``name`` to folder ``path`` (``export.py``); returns the manifest."""
+               progress: Progress = None) -> dict[str, Any]:
+        """Write materialized view ``name`` to folder ``path`` (``export.py``); returns the manifest.
+        ``progress``: a bar over the rows written (``progress.py``), or a ``progress(done, total)`` callable."""
         self.store.writable("export")
-        return export(self.stored, self.reads, name, path, format, validation=validation, overwrite=overwrite,
-                      skip_missing=skip_missing, progress=progress)
+        report, done = rows_callback(f"export {name}", progress)
+        try:
+            return export(self.stored, self.reads, name, path, format, validation=validation, overwrite=overwrite,
+                          skip_missing=skip_missing, progress=report)
+        finally:
+            done()

@@ -85,6 +85,36 @@ class ViewSpec(ViewOptions):
         args = ", ".join(f"{k}={list(v) if isinstance(v, tuple) else v!r}" for k, v in d.items())
         return f"{self.kind}({args})"
 
+    def why_empty(self) -> str:
+        """Why a view of this definition can have no rows, in its own terms (for the message that
+        says an export or a materialize came out empty).
+
+        >>> ViewSpec("best", "sft", reward="reward('score')", threshold=0.3).why_empty()
+        "no node passes threshold 0.3 (reward('score') >= 0.3)"
+        """
+        scored = f"a reward ({self.reward})" if self.reward else "a reward"
+        if self.kind == "sft" and self.messages is not None:
+            why = f"no selected node has a {self.messages!r} artifact"
+            if self.threshold is not None:
+                why += f" and {self.reward} >= {self.threshold}"
+        elif self.kind == "sft" and self.threshold is not None:
+            why = f"no node passes threshold {self.threshold} ({self.reward} >= {self.threshold})"
+        elif self.kind == "sft":
+            return f"no node matches where {self.where}" if self.where else "the database has no node to select"
+        elif self.kind == "preference":
+            sources = [f"siblings (by {self.group_by}) whose rewards ({self.reward}) differ by at least {self.margin}"
+                       if "siblings" in self.pairs_from else "",
+                       "comparisons that decide a pair" if "comparisons" in self.pairs_from else ""]
+            why = f"no pair: no {' and no '.join(x for x in sources if x)}"
+        elif self.kind == "grpo":
+            why = (f"no group (by {self.group_by}) has {self.min_size} or more members with {scored}"
+                   + (" and different rewards" if self.drop_zero_variance else ""))
+        else:  # kto, stepwise, replay: every selected node with a reward counts
+            why = f"no selected node has {scored}"
+        if self.where:
+            why += f" among the nodes where {self.where}"
+        return why
+
     def as_dict(self) -> dict[str, Any]:
         return {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(self).items()}
 

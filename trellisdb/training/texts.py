@@ -140,7 +140,8 @@ def encode(store: TextStore, rows: pa.Table, snap: Snapshot) -> tuple[pa.Table, 
     seen = np.zeros(len(values), bool)
     seen[pos[pos >= 0]] = True
     new_code = np.cumsum(seen) - 1
-    codes = np.where(pos >= 0, new_code[np.maximum(pos, 0)], -1)
+    codes = np.full(len(pos), -1, np.int64)  # -1: no such artifact (every one, when none is found)
+    codes[pos >= 0] = new_code[pos[pos >= 0]]
     owner = np.zeros(int(seen.sum()), np.int64)
     owner[codes[codes >= 0]] = np.flatnonzero(codes >= 0)  # a probe position naming each text
     hashes = probe.gather(owner).to_arrow().cast(pa.string())
