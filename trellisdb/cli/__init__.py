@@ -323,6 +323,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="where the report goes (default: beside the database, <name>-report)")
     demo.add_argument("--reset", action="store_true", help="remove an earlier demo's database first (only a demo's)")
     demo.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    demo.add_argument("--width", type=_width, default=WIDTH, metavar="N",
+                      help=f"cut texts in its tables at N characters (default {WIDTH}; 0: never cut them)")
     return p
 
 
@@ -468,7 +470,7 @@ def _run(args: argparse.Namespace, path: str) -> int:
 
         run_demo(path, seed=args.seed, tasks=args.tasks, max_steps=args.steps, target=args.target,
                  report=args.report, reset=args.reset, plots=not args.no_plots,
-                 show=lambda t: format_table(t, "table"))
+                 show=lambda t: format_table(t, "table", args.width))
         return 0
     db = _open(args, path)
     if args.command == "log":
