@@ -11,13 +11,13 @@ import pyarrow as pa
 import pytest
 
 import trellisdb
+from trellisdb.errors import MissingDependencyError
 from trellisdb.result import (
     HTML_CELL,
     HTML_ROWS,
     TEXT_CELL,
     TEXT_ROWS,
     TEXT_WIDTH,
-    MissingDependencyError,
     Result,
 )
 

@@ -151,6 +151,10 @@ class PlanError(QueryError):
     """A plan that breaks an operator's rule (a bug in the planner, reported clearly)."""
 
 
+class MissingDependencyError(TrellisError, ImportError):
+    """An optional package a method needs is not installed (the message says what to install)."""
+
+
 class EmbedderError(TrellisError):
     """An embedder is missing, misconfigured, or returned vectors of the wrong shape."""
 

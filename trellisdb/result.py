@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 
-from trellisdb.errors import TrellisError
+from trellisdb.errors import MissingDependencyError
 
 if TYPE_CHECKING:
     import polars as pl
@@ -42,10 +42,6 @@ TEXT_WIDTH = 100
 # Control characters shown as escapes: a cell stays on one line, and an ANSI escape sequence in
 # an agent's output cannot drive the terminal that prints the result.
 _VISIBLE = {i: f"\\x{i:02x}" for i in (*range(32), 127)} | {9: "\\t", 10: "\\n", 13: "\\r"}
-
-
-class MissingDependencyError(TrellisError, ImportError):
-    """An optional package a method needs is not installed (the message says what to install)."""
 
 
 class Result:
