@@ -1,13 +1,41 @@
-"""Shared fixtures."""
+"""Shared fixtures, and how the test process ends."""
 
 from __future__ import annotations
 
+import gc
+import os
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 import trellisdb
+
+_STATUS: dict[str, int] = {}
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    _STATUS["exit"] = int(exitstatus)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """End the test process with pytest's status once every report is written, without the
+    interpreter's teardown. Two fresh-clone CI runs (of many) aborted there (SIGABRT, no message,
+    after every test had passed): one process that has opened hundreds of stores, servers,
+    kernels and thread pools of native libraries (DuckDB, Lance, onnxruntime, uvloop) races their
+    threads against module teardown. It never reproduced on demand (faulthandler on, 6 runs), so
+    the culprit is unknown; the trellis processes CI runs after the tests (benchmarks, the demo)
+    exit the normal way and would show it. Unreferenced handles are collected first, while
+    everything they need still exists. ``TRELLIS_TEST_NORMAL_EXIT=1`` keeps the normal exit (to
+    hunt the abort, with ``PYTHONFAULTHANDLER=1``)."""
+    if "exit" not in _STATUS or os.environ.get("TRELLIS_TEST_NORMAL_EXIT"):
+        return
+    gc.collect()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(_STATUS["exit"])
 
 
 @pytest.fixture
