@@ -57,14 +57,17 @@ class Steps:
         self.bar.close()
 
 
-def rows_callback(desc: str, progress: Progress) -> tuple[Callable[[int, int], None] | None, Callable[[], None]]:
-    """``progress`` as an export's ``progress(done, total)``: the callable itself, a bar's (over
-    rows), or None; and what to call when the export ends (closes the bar)."""
+def counted(desc: str, progress: Progress, unit: str = " rows", total: int = 0,
+            ) -> tuple[Callable[[int, int], None] | None, Callable[[], None]]:
+    """``progress`` as a ``progress(done, total)`` callback (an export's rows, an embed's texts):
+    the callable itself, a bar's (over ``unit``; ``total`` when known ahead, so the bar shows it
+    and the time left from the start), or None; and what to call when the work ends (closes the
+    bar)."""
     if callable(progress):
         return progress, lambda: None
     if not shown(progress):
         return None, lambda: None
-    bar = _bar(desc=desc, total=0, unit=" rows")
+    bar = _bar(desc=desc, total=total, unit=unit)
 
     def update(done: int, total: int) -> None:
         bar.total = total

@@ -19,7 +19,6 @@ import json
 import shlex
 import shutil
 import statistics
-import sys
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -244,6 +243,3 @@ def _preferences(db: Database, out: Callable[[str], None], folder: Path) -> None
     out(f"\npreference dataset: view 'kernel-prefs' (sibling kernels whose speedups differ by >= 0.05; the faster "
         f"one chosen): {made.get('rows')} pairs, exported as TRL to {dest}/")
 
-
-def main() -> None:  # pragma: no cover - `python -m trellisdb.demo.run PATH`
-    run_demo(sys.argv[1] if len(sys.argv) > 1 else "./trellis-demo.db")

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import pyarrow as pa
 
 from trellisdb.errors import TransactionError, ValidationError
-from trellisdb.progress import Progress, Steps, rows_callback
+from trellisdb.progress import Progress, Steps, counted
 from trellisdb.training.catalog import ViewCatalog, declared
 from trellisdb.training.compute import build, check
 from trellisdb.training.export import export
@@ -150,7 +150,7 @@ class ViewStore:
         """Write materialized view ``name`` to folder ``path`` (``export.py``); returns the manifest.
         ``progress``: a bar over the rows written (``progress.py``), or a ``progress(done, total)`` callable."""
         self.store.writable("export")
-        report, done = rows_callback(f"export {name}", progress)
+        report, done = counted(f"export {name}", progress)
         try:
             return export(self.stored, self.reads, name, path, format, validation=validation, overwrite=overwrite,
                           skip_missing=skip_missing, progress=report)

@@ -11,7 +11,6 @@ a store made before the full-text indexes existed gets them when a writable hand
 from __future__ import annotations
 
 import os
-import sys
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -28,7 +27,7 @@ from trellisdb.errors import (
     ValidationError,
 )
 from trellisdb.names import check_name
-from trellisdb.progress import Progress, shown
+from trellisdb.progress import Progress, counted
 from trellisdb.schema import table_schema
 from trellisdb.storage.spaces import BUILTIN, TARGETS, TEXT_COLUMN, Space, as_matrix, check_space_name, space_schema
 from trellisdb.vectors.index import IndexMaintainer, IndexState
@@ -213,20 +212,18 @@ class Vectors:
             f'SELECT id, "{col}" AS t FROM {target} WHERE "{col}" IS NOT NULL AND id NOT IN (SELECT id FROM __have) '
             "ORDER BY id", relations={"__have": have}, tables=(target,))
         ids, texts = todo["id"].to_pylist(), todo["t"].to_pylist()
-        report = progress if callable(progress) else None
-        from tqdm import tqdm
-
-        with tqdm(total=len(ids), desc=f"embed {space}", unit=" texts", disable=not shown(progress),
-                  file=sys.stderr, leave=False, dynamic_ncols=True) as bar:  # as trellisdb.progress draws them
+        report, done = counted(f"embed {space}", progress, " texts", len(ids))
+        try:
             for lo in range(0, len(ids), batch_size):
                 chunk = texts[lo : lo + batch_size]
                 vecs = check_vectors(emb, chunk, emb.embed(chunk))
                 b = Batch()
                 b.vectors[sp.table] = [(ids[lo : lo + batch_size], vecs)]
                 c.commit(b, message=f"embed {target} into space {space}")
-                bar.update(len(chunk))
                 if report is not None:
                     report(min(lo + batch_size, len(ids)), len(ids))
+        finally:
+            done()
         return len(ids)
 
     # ------------------------------------------------------------------ search
