@@ -123,13 +123,16 @@ def test_a_bad_commit_message_in_the_log_reads_escaped(db: trellisdb.Database) -
     db.close()
     log = Path(db.path) / "commits.log"
     lines = log.read_bytes().splitlines(keepends=True)
+    after = []
     while json.loads(lines[-1].split(b"\t")[0])["op"] != "commit":  # the checkpoint's record at close
-        lines.pop()
+        after.insert(0, lines.pop())
     rec = json.loads(lines[-1].split(b"\t")[0])
     rec["message"] = "bad \ud800 message"
     rec["meta"] = {"best": "bad \ud800 id"}  # commit metadata a writer that did not check left
     log.write_bytes(b"".join(lines[:-1]))
     _append_log(log, rec)
+    with open(log, "ab") as fh:  # the checkpoint's record kept after it (without it, the log lost records)
+        fh.write(b"".join(after))
     again = trellisdb.connect(db.path)
     assert again.log()[-1]["message"] == "bad \\ud800 message"
     assert again.sql("SELECT message FROM commits").to_pylist() == [{"message": "bad \\ud800 message"}]

@@ -51,27 +51,33 @@ from typing import Any, BinaryIO
 from trellisdb.errors import CorruptionError, TrellisWarning
 from trellisdb.names import name_problem
 from trellisdb.storage.lines import decode_line, encode_line, sync_dir
-from trellisdb.storage.wal import Frame, Payload, Segment, WalRows, WalView, segment_name
+from trellisdb.storage.wal import Frame, Payload, Segment, WalRows, WalView, segment_files, segment_name
 
 #: The high-water mark's file, next to the log.
 HWM_FILE = "commits.hwm"
 
 #: Width of the mark's text before its checksum: every mark has the same length, so a
-#: rewrite in place always covers the last one.
-_HWM_WIDTH = 128
+#: rewrite in place always covers the last one (a version-1 mark was 128 wide: covered too).
+_HWM_WIDTH = 192
 
 
 @dataclass(frozen=True)
 class HighWaterMark:
     """What ``commits.hwm`` says: commit ``id`` (made at ``time``) was acknowledged, id
-    ``begun`` was the highest reserved, and the log was durably ``log_size`` bytes long.
+    ``begun`` was the highest reserved, and the log was durably ``log_size`` bytes long;
+    and where the checkpoints stood: Lance held every row of every commit up to ``upto``
+    (the log's ``lance_upto``), a checkpoint of the WAL up to ``ckpt`` had begun, and new
+    small commits went to WAL segment ``wal``.
 
     It is rewritten after the fsync of every append, so the log held at least that much
     then, and the log only grows (a torn tail that is cut lies beyond it). A commit is
     acknowledged once the mark names it; every commit up to ``id`` was complete then,
-    since its Lance appends finished before its commit record.
+    since its Lance appends finished before its commit record. The checkpoint fields are
+    what a repair needs when the log lost a checkpoint's records (``recovery.py``): which
+    commits' rows in Lance are whole, and which WAL segment is current. A version-1 mark
+    (written before them) has them as None: nothing is known of the checkpoints.
 
-    >>> m = HighWaterMark(7, 1700000000.25, 8, 1234)
+    >>> m = HighWaterMark(7, 1700000000.25, 8, 1234, upto=5, ckpt=6, wal=2)
     >>> len(m.encode()) == _HWM_WIDTH + 10, HighWaterMark.decode(m.encode()) == m
     (True, True)
     >>> HighWaterMark.decode(m.encode().replace(b"id=7", b"id=9")) is None  # fails its checksum
@@ -82,10 +88,14 @@ class HighWaterMark:
     time: float
     begun: int
     log_size: int
+    upto: int | None = None
+    ckpt: int | None = None
+    wal: int | None = None
 
     def encode(self) -> bytes:
-        body = (f"trellis-hwm 1 id={self.id} time={self.time!r} begun={self.begun} "
-                f"log_size={self.log_size}").ljust(_HWM_WIDTH)
+        body = (f"trellis-hwm 2 id={self.id} time={self.time!r} begun={self.begun} "
+                f"log_size={self.log_size} upto={self.upto or 0} ckpt={self.ckpt or 0} "
+                f"wal={self.wal or 1}").ljust(_HWM_WIDTH)
         return f"{body}\t{zlib.crc32(body.encode()) & 0xFFFFFFFF:08x}\n".encode()
 
     @classmethod
@@ -97,9 +107,12 @@ class HighWaterMark:
                 return None
             magic, version, *fields = body.decode().split()
             kv = dict(f.split("=", 1) for f in fields)
-            if (magic, version) != ("trellis-hwm", "1"):
+            if magic != "trellis-hwm" or version not in ("1", "2"):
                 return None
-            return cls(int(kv["id"]), float(kv["time"]), int(kv["begun"]), int(kv["log_size"]))
+            base = (int(kv["id"]), float(kv["time"]), int(kv["begun"]), int(kv["log_size"]))
+            if version == "1":
+                return cls(*base)
+            return cls(*base, upto=int(kv["upto"]), ckpt=int(kv["ckpt"]), wal=int(kv["wal"]))
         except (ValueError, KeyError, UnicodeDecodeError):
             return None
 
@@ -156,6 +169,10 @@ class LogState:
     torn_at: int | None = None
     #: the last commit this file records: Lance holds the rows of every commit up to it
     lance_upto: int = 0
+    #: the commits this file records (the others of ``commits`` are WAL frames not yet checkpointed)
+    logged: set[int] = field(default_factory=set)
+    #: the ``upto`` of the last ``checkpoint`` record: Lance holds every WAL commit up to it
+    checkpointed: int = 0
     #: the WAL segment new small commits go to
     wal_gen: int = 1
     #: the ``upto`` of the last checkpoint begun (a crash may have left its rows in Lance)
@@ -330,6 +347,7 @@ class CommitLog:
             st.max_id = max(st.max_id, cid)
             st.last_committed = max(st.last_committed, cid)
             st.lance_upto = max(st.lance_upto, cid)
+            st.logged.add(cid)
             if rec.get("purge") is True:  # a purge's audit commit: it finished
                 st.purged = max(st.purged, cid)
                 st.purging = ()
@@ -339,6 +357,7 @@ class CommitLog:
             st.checkpoint_begun = max(st.checkpoint_begun, int(rec["upto"]))
         elif op == "checkpoint":
             st.wal_gen = max(st.wal_gen, int(rec["wal"]))
+            st.checkpointed = max(st.checkpointed, int(rec["upto"]))
         elif op == "tag":
             name = str(rec["name"])
             st.tags.pop(name, None)
@@ -386,10 +405,10 @@ class CommitLog:
         Call right after a refresh that followed reading ``mark``: the log only grows once a mark
         is written, so a log read later that holds less lost records.
         """
+        what = self._lost_checkpoints(mark)
         if mark is None:
-            return None
+            return f"commit log {self.path} lost records: {'; '.join(what)}" if what else None
         last = self._state.last_committed
-        what = []
         if mark.id > last:
             what.append(f"it ends at commit {last}, but commit {mark.id} was acknowledged")
         if self._offset < mark.log_size:
@@ -401,6 +420,35 @@ class CommitLog:
         if not what:
             return None
         return f"commit log {self.path} lost records ({HWM_FILE} says so): {'; '.join(what)}"
+
+    def _lost_checkpoints(self, mark: HighWaterMark | None) -> list[str]:
+        """What the log lost of its checkpoints: a WAL segment newer than the one it names
+        exists (frames go to a segment only after the ``checkpoint`` record naming it is
+        durable), or the mark names a later checkpoint or Lance commit than the log holds."""
+        st = self._state
+        later = self.later_segments()
+        if later:  # listed after the log was read: a checkpoint may have come between
+            st = self.refresh()
+            later = self.later_segments()
+        what = []
+        if later:
+            what.append(f"WAL segment {os.path.basename(later[-1])} exists, but the log's last checkpoint record names "
+                        f"{segment_name(st.wal_gen)} (a checkpoint's record was lost)")
+        if mark is not None and mark.upto is not None and mark.ckpt is not None and mark.wal is not None:
+            if mark.wal > st.wal_gen and not later:
+                what.append(f"a checkpoint started WAL segment {segment_name(mark.wal)}, but the log's last "
+                            f"checkpoint record names {segment_name(st.wal_gen)}")
+            if mark.upto > st.lance_upto:
+                what.append(f"its records of commits in Lance end at {st.lance_upto}, but they reached {mark.upto}")
+            if mark.ckpt > st.checkpoint_begun:
+                what.append(f"a checkpoint of the WAL up to commit {mark.ckpt} began, but the log's last "
+                            f"checkpoint-begin record says {st.checkpoint_begun}")
+        return what
+
+    def later_segments(self) -> list[str]:
+        """Paths of WAL segments newer than the one the log names (ascending): only a log that
+        lost a ``checkpoint`` record has any."""
+        return [p for g, p in segment_files(os.path.dirname(self.path)) if g > self._state.wal_gen]
 
     def repair_tail(self) -> HighWaterMark | None:
         """Cut a torn final line off (call only while holding the writer lock); return the mark.
@@ -449,7 +497,8 @@ class CommitLog:
             self._apply_frame(f)
             self._publish(True)
             st = self._state
-            mark = HighWaterMark(f.id, float(record["time"]), st.max_id, self._offset)
+            mark = HighWaterMark(f.id, float(record["time"]), st.max_id, self._offset, upto=st.lance_upto,
+                                 ckpt=st.checkpoint_begun, wal=st.wal_gen)
             try:
                 write_hwm(self.hwm_path, mark, sync=False)
                 files = self._files()
@@ -458,11 +507,11 @@ class CommitLog:
                 warnings.warn(TrellisWarning(f"could not update {self.hwm_path} ({e}); the commit is durable, "
                                              "but its witness is stale"), stacklevel=3)
 
-    def rewrite_wal(self, folder: str) -> int:
-        """Drop the damaged frames of the current WAL segment (writer lock held; a repair): copy
-        the segment to ``folder``, write its intact frames aside and rename them over it. Returns
-        how many damaged frames were dropped (their commits are lost)."""
-        seg = Segment(self.wal_path(self._state.wal_gen))
+    def rewrite_wal(self, folder: str, gen: int | None = None) -> int:
+        """Drop the damaged frames of WAL segment ``gen`` (default: the current one; writer lock
+        held; a repair): copy the segment to ``folder``, write its intact frames aside and rename
+        them over it. Returns how many damaged frames were dropped (their commits are lost)."""
+        seg = Segment(self.wal_path(self._state.wal_gen if gen is None else gen))
         frames = seg.read()
         if not seg.problems:
             return 0
@@ -480,11 +529,9 @@ class CommitLog:
         return len(seg.problems)
 
     def wal_segments(self) -> list[str]:
-        """Paths of WAL segments other than the current one (left by checkpoints; deletable)."""
-        folder = os.path.dirname(self.path)
-        cur = segment_name(self._state.wal_gen)
-        return [os.path.join(folder, n) for n in sorted(os.listdir(folder))
-                if n.startswith("wal-") and n.endswith(".log") and n != cur]
+        """Paths of WAL segments older than the current one (left by checkpoints; deletable). A
+        newer one is never deleted: it holds commits of a checkpoint the log lost (a repair finds it)."""
+        return [p for g, p in segment_files(os.path.dirname(self.path)) if g < self._state.wal_gen]
 
     def rewrite(self, keep: int, records: list[dict[str, Any]]) -> LogState:
         """Keep the whole, intact lines of the first ``keep`` bytes of the log, then ``records``
@@ -507,7 +554,8 @@ class CommitLog:
         sync_dir(os.path.dirname(self.path))
         st = self.reload()
         at = float(st.commits[st.last_committed]["time"]) if st.last_committed else 0.0
-        write_hwm(self.hwm_path, HighWaterMark(st.last_committed, at, st.max_id, self._size))
+        write_hwm(self.hwm_path, HighWaterMark(st.last_committed, at, st.max_id, self._size, upto=st.lance_upto,
+                                               ckpt=st.checkpoint_begun, wal=st.wal_gen))
         return st
 
     def append(self, records: list[dict[str, Any]]) -> None:
@@ -527,14 +575,21 @@ class CommitLog:
     def _mark(self, records: list[dict[str, Any]], end: int) -> None:
         st = self._state
         cid, at = st.last_committed, float(st.commits[st.last_committed]["time"]) if st.last_committed else 0.0
-        begun = st.max_id
-        for r in records:
-            if r.get("op") in ("begin", "commit"):
+        begun, upto, ckpt, wal = st.max_id, st.lance_upto, st.checkpoint_begun, st.wal_gen
+        for r in records:  # what these records add to the state (the next refresh applies them)
+            op = r.get("op")
+            if op in ("begin", "commit"):
                 begun = max(begun, int(r["id"]))
-            if r.get("op") == "commit" and int(r["id"]) >= cid:
-                cid, at = int(r["id"]), float(r["time"])
+            if op == "commit":
+                upto = max(upto, int(r["id"]))  # a commit record in this file: Lance holds its rows
+                if int(r["id"]) >= cid:
+                    cid, at = int(r["id"]), float(r["time"])
+            elif op == "checkpoint-begin":
+                ckpt = max(ckpt, int(r["upto"]))
+            elif op == "checkpoint":
+                wal = max(wal, int(r["wal"]))
         try:
-            write_hwm(self.hwm_path, HighWaterMark(cid, at, begun, end))
+            write_hwm(self.hwm_path, HighWaterMark(cid, at, begun, end, upto=upto, ckpt=ckpt, wal=wal))
         except OSError as e:
             # Past the commit point: raising would make a caller retry a commit that is durable.
             # A stale mark is only a weaker witness (a later loss of these records goes unnoticed

@@ -52,6 +52,7 @@ import pyarrow.parquet as pq
 from trellisdb.errors import CorruptionError, TrellisWarning
 from trellisdb.storage.log import HWM_FILE, CommitLog, HighWaterMark, LogState
 from trellisdb.storage.tables import LanceTables
+from trellisdb.storage.wal import Frame, Segment, segment_files
 
 #: Where repair puts what it takes out: ``<db>/lost+found/<UTC time>/``.
 LOST_FOUND = "lost+found"
@@ -86,17 +87,19 @@ def _ids(ids: Iterable[int]) -> str:
 
 
 def _without_commit(st: LogState) -> str:
-    """A Lance filter for rows whose id has no commit record (and aborted ids below it)."""
-    last = st.last_committed
-    gaps = sorted(i for i in (st.begun | st.collected) if i <= last and i not in st.commits)
-    if last - sum(1 for i in st.commits if i <= last) > len(gaps):  # ids never begun below the last commit
-        gaps = [i for i in range(1, last + 1) if i not in st.commits]
+    """A Lance filter for rows whose id this file of the log has no commit record of: above its
+    last one (WAL commits whose checkpoint did not finish among them), and the gaps below it."""
+    last = st.lance_upto
+    gaps = sorted(i for i in (st.begun | st.collected) if i <= last and i not in st.logged)
+    if last - len(st.logged) > len(gaps):  # ids below the last commit with no begin either
+        gaps = [i for i in range(1, last + 1) if i not in st.logged]
     pred = f"commit_id > {int(last)} OR commit_id < 1"
     return pred + (f" OR commit_id IN ({', '.join(str(int(i)) for i in gaps)})" if gaps else "")
 
 
 def scan_unlogged(tables: LanceTables, names: Iterable[str], st: LogState, times: bool = False) -> dict[int, Unlogged]:
-    """The rows, per commit id, of every table whose commit the log does not record.
+    """The rows, per commit id, of every table whose commit the log's file does not record
+    (including WAL commits a checkpoint that did not finish copied into Lance).
 
     One Lance scan per table, of the ``commit_id`` column (and ``created_at`` with
     ``times``) with a filter. A table that cannot be read is skipped: ``verify`` names it.
@@ -125,40 +128,149 @@ def scan_unlogged(tables: LanceTables, names: Iterable[str], st: LogState, times
     return out
 
 
-def classify(ids: Iterable[int], st: LogState, acknowledged: int) -> tuple[list[int], list[int]]:
-    """Of ids holding rows but no commit record: (those proven complete, to recover; others, to remove).
+@dataclass
+class WalFiles:
+    """Every WAL segment in the store's folder, read afresh: per generation its whole frames
+    and its damage."""
 
-    Commit ``x`` is proven complete when ``x <= acknowledged`` (the mark), or when a later
-    commit began (``x < st.max_id``): the writer of that one held the lock after ``x``'s
-    writer let it go, and had ``x`` been aborted it would have deleted its rows before its
-    own ``begin``. The highest begun id, above the mark, is a commit a writer died in: the
-    next writer collects it, as always. Rows of a collected id must not exist at all.
+    frames: dict[int, list[Frame]] = field(default_factory=dict)
+    problems: dict[int, list[str]] = field(default_factory=dict)
+
+    @classmethod
+    def read(cls, folder: str) -> WalFiles:
+        out = cls()
+        for gen, path in segment_files(folder):
+            seg = Segment(path)
+            out.frames[gen] = seg.read()
+            out.problems[gen] = [m for _, m in seg.problems]
+        return out
+
+
+@dataclass
+class Diagnosis:
+    """What the log, its mark, the WAL segments and the tables say together (see the module
+    notes): which commit ids a repair records, recovers, takes out, and which are lost."""
+
+    #: the WAL segment that is current: the log's, or a newer one whose checkpoint record it lost
+    gen: int
+    #: Lance holds every row of every commit up to this id (a checkpoint or commit record says so,
+    #: in the log or in the mark, or a newer WAL segment proves the checkpoint before it finished)
+    proven: int
+    #: commits the log has no record of whose rows Lance holds whole, with their WAL frames' records
+    from_frames: dict[int, dict[str, Any]] = field(default_factory=dict)
+    #: commits proven complete with rows but no record anywhere: given back a recovered record
+    recover: list[int] = field(default_factory=list)
+    #: rows of commits never acknowledged (or aborted, or not provably whole): to lost+found
+    remove: list[int] = field(default_factory=list)
+    #: the commit a writer died in (begun, never committed, the last): the next writer collects it
+    open_ids: list[int] = field(default_factory=list)
+    #: WAL commits of the current segment with rows in Lance from a checkpoint that did not finish
+    leftovers: list[int] = field(default_factory=list)
+    #: those of them no ``checkpoint-begin`` record covers: the next checkpoint would add them twice
+    uncovered: list[int] = field(default_factory=list)
+    #: acknowledged commits that cannot be given back, with the reason
+    lost: dict[int, str] = field(default_factory=dict)
+
+    @property
+    def damage(self) -> bool:
+        """Whether a repair has something to do (leftovers a checkpoint-begin covers are normal)."""
+        return bool(self.from_frames or self.recover or self.remove or self.uncovered or self.lost)
+
+
+def _frame_record(f: Frame) -> dict[str, Any]:
+    """A frame's commit record as a checkpoint writes it to the log (without the payload's description)."""
+    return {k: v for k, v in f.record.items() if k not in ("tables", "bytes", "pcrc")}
+
+
+def diagnose(st: LogState, mark: HighWaterMark | None, wal: WalFiles, found: dict[int, Unlogged]) -> Diagnosis:
+    """Weigh the witnesses (``st``: the log read whole; ``found``: ``scan_unlogged``'s rows).
+
+    Lance rows of a commit are whole when a record says Lance holds that commit: the commit's own
+    record in the log (its appends finished before it), a ``checkpoint`` record, the mark's
+    ``upto`` (written after those records), or a newer WAL segment (frames go to one only after
+    the checkpoint before it finished). A direct commit (``begin`` in the log) is also whole when
+    acknowledged or followed by a later commit, as before. Nothing else is: the rows a checkpoint
+    that died half-way left in Lance are some tables of some commits, and a commit whose WAL frame
+    is gone with only such rows left is lost (named, its rows kept in lost+found), never recovered.
     """
-    recover, remove = [], []
-    for x in sorted(ids):
-        if x in st.commits:
+    v2 = mark is not None and mark.upto is not None and mark.wal is not None
+    acknowledged = mark.id if mark is not None else 0
+    gen = max([st.wal_gen, *(wal.frames or [0]), (mark.wal or 0) if v2 and mark is not None else 0])
+    current = {f.id: f for f in wal.frames.get(gen, [])}
+    older = {f.id: f for g, fs in wal.frames.items() if g < gen for f in fs}
+    proven = max(st.lance_upto, st.checkpointed, (mark.upto or 0) if v2 and mark is not None else 0)
+    if gen > st.wal_gen:  # the checkpoint into ``gen`` finished, though the log lost its record
+        proven = max(proven, *older, 0)
+        if current and not wal.problems.get(gen):
+            proven = max(proven, min(current) - 1)
+    d = Diagnosis(gen=gen, proven=proven)
+    for x, f in sorted(older.items()):
+        if x not in st.logged:
+            d.from_frames[x] = _frame_record(f)
+    for x, f in sorted(current.items()):
+        if x <= proven and x not in st.logged:
+            d.from_frames[x] = _frame_record(f)
+    # the highest id any witness knows was used: a begun commit below it was not the last
+    used = max([st.max_id, *(f.id for fs in wal.frames.values() for f in fs), 0])
+    for x in sorted(found):
+        if x in st.logged or x in d.from_frames:
             continue
-        if x in st.collected:
-            remove.append(x)
-        elif x <= acknowledged or x < st.max_id:
-            recover.append(x)
-        elif x not in st.open_ids:  # never begun, above every id the log and the mark know
-            remove.append(x)
-    return recover, remove
+        if x in current:
+            d.leftovers.append(x)
+            if x > st.checkpoint_begun:
+                d.uncovered.append(x)
+        elif x in st.collected:
+            d.remove.append(x)
+        elif x in st.begun:  # a direct commit
+            if x <= acknowledged or x < used:
+                d.recover.append(x)
+            else:
+                d.open_ids.append(x)
+        elif x <= proven:
+            d.recover.append(x)
+        else:
+            d.remove.append(x)
+            if x <= acknowledged:
+                d.lost[x] = (f"its WAL frame is gone, and its rows in {', '.join(sorted(found[x].rows))} were "
+                             "copied into Lance by a checkpoint that did not finish (not provably all of them)")
+    damaged = {int(m.split("(commit ", 1)[1].split(")", 1)[0]) for ms in wal.problems.values() for m in ms
+               if "(commit " in m}
+    accounted = st.logged | st.collected | st.begun | set(current) | set(d.from_frames) | set(d.recover)
+    for x in range(1, acknowledged + 1):
+        if x not in accounted and x not in d.lost:
+            d.lost[x] = ("its WAL frame is damaged" if x in damaged else
+                         "the log lost its record, and no WAL frame or row of it is left")
+    return d
 
 
-def _stranded_message(log: CommitLog, tables: LanceTables, found: dict[int, Unlogged], recover: list[int],
-                      remove: list[int], acknowledged: int) -> str:
-    names = sorted({t for x in (*recover, *remove) for t in found[x].rows})
-    rows = sum(found[x].total for x in (*recover, *remove))
+def _stranded_message(log: CommitLog, tables: LanceTables, found: dict[int, Unlogged], d: Diagnosis,
+                      acknowledged: int) -> str:
+    """What ``d`` found, for ``verify`` and a repair's report ('' when nothing)."""
+    ids = [*d.recover, *d.remove, *d.uncovered]
     parts = []
-    if recover:
-        parts.append(f"commit(s) {_ids(recover)} are complete (acknowledged up to {acknowledged}, says {HWM_FILE}, "
-                     "or followed by later commits): repair recovers them")
-    if remove:
-        parts.append(f"commit(s) {_ids(remove)} were never acknowledged: repair moves their rows to {LOST_FOUND}/")
-    return (f"{rows} rows in {', '.join(tables.uri(n) for n in names)} belong to commits that commit log "
-            f"{log.path} does not record ({'; '.join(parts)})")
+    if d.from_frames:
+        parts.append(f"commit(s) {_ids(d.from_frames)} are whole in Lance and in WAL frames, but the log lost their "
+                     "records: repair records them from their frames")
+    if d.recover:
+        parts.append(f"commit(s) {_ids(d.recover)} are complete (acknowledged up to {acknowledged}, says {HWM_FILE}, "
+                     "or proven by a checkpoint, or followed by later commits): repair recovers them")
+    removed = [x for x in d.remove if x not in d.lost]
+    if removed:
+        parts.append(f"commit(s) {_ids(removed)} were never acknowledged: repair moves their rows to {LOST_FOUND}/")
+    if d.uncovered:
+        parts.append(f"rows of WAL commit(s) {_ids(d.uncovered)} were copied into Lance by a checkpoint the log has "
+                     "no checkpoint-begin record of (the next checkpoint would add them twice): repair deletes them, "
+                     "their WAL frames keep them")
+    for x, why in sorted(d.lost.items()):
+        parts.append(f"commit {x} was acknowledged and cannot be recovered: {why}"
+                     + (f"; repair moves its rows to {LOST_FOUND}/" if x in found else ""))
+    if not parts:
+        return ""
+    names = sorted({t for x in ids if x in found for t in found[x].rows})
+    rows = sum(found[x].total for x in ids if x in found)
+    where = (f"{rows} rows in {', '.join(tables.uri(n) for n in names)} belong to commits that commit log "
+             f"{log.path} does not record" if rows else f"commit log {log.path} does not record every commit")
+    return f"{where} ({'; '.join(parts)})"
 
 
 class LogGuard:
@@ -190,11 +302,11 @@ class LogGuard:
             return  # the log ends exactly where the last acknowledgement left it
         acknowledged = mark.id if mark is not None else 0
         found = scan_unlogged(self._tables, self._names(), st)
-        recover, remove = classify(found, st, acknowledged)
-        if recover or remove:
-            self.ceiling = max(self.ceiling, *recover, *remove)
+        d = diagnose(st, mark, WalFiles.read(os.path.dirname(self._log.path)), found)
+        if d.damage:
+            self.ceiling = max(self.ceiling, *found, *d.lost, *d.from_frames)
             raise CorruptionError(
-                f"{_stranded_message(self._log, self._tables, found, recover, remove, acknowledged)}; {_RUN_REPAIR}"
+                f"{_stranded_message(self._log, self._tables, found, d, acknowledged)}; {_RUN_REPAIR}"
             )
 
     def next_id(self, st: LogState, mark: HighWaterMark | None) -> int:
@@ -220,12 +332,14 @@ class LogGuard:
             out.append(f"{lost}; run `trellis repair`")
         found = scan_unlogged(self._tables, self._names(), st)
         try:
-            st = fresh.refresh()  # a commit in flight logged its begin before its appends: not stranded
+            # a commit in flight logged its begin (a checkpoint its checkpoint-begin, after the frames)
+            # before its appends: read after the scan, it is not stranded
+            st = fresh.refresh()
         except CorruptionError as e:  # replaced meanwhile by a repair in another process
             return [*out, str(e)]
-        recover, remove = classify(found, st, mark.id if mark is not None else 0)
-        if recover or remove:
-            msg = _stranded_message(fresh, self._tables, found, recover, remove, mark.id if mark else 0)
+        d = diagnose(st, mark, WalFiles.read(os.path.dirname(self._log.path)), found)
+        if d.damage:
+            msg = _stranded_message(fresh, self._tables, found, d, mark.id if mark else 0)
             out.append(f"{msg}; run `trellis repair`")
         return out
 
@@ -233,11 +347,16 @@ class LogGuard:
         """Mend the log (writer lock held): see the module notes. Returns a report::
 
             damage         what was wrong (empty: healthy, nothing was done)
-            recovered      [{id, rows, tables}] acknowledged commits given back their record
-            removed        [{id, rows, tables}] rows of unacknowledged (or aborted) commits, moved to lost+found
-            unrecoverable  acknowledged ids with neither a record nor rows left
+            recovered      [{id, rows, tables}] acknowledged commits given back their record: from
+                           their WAL frames (``"from": "wal"``) or from their rows (``"rows"``)
+            removed        [{id, rows, tables}] rows of unacknowledged (or aborted, or not provably
+                           whole) commits, moved to lost+found
+            unrecoverable  acknowledged ids that could not be given back (``lost`` says why)
+            lost           {id: reason} for each of them
             tail_bytes     bytes of damaged log tail cut
             wal_frames_dropped  damaged frames dropped from the WAL (their commits are lost)
+            wal_segment    the WAL segment current after the repair (a newer one than the log named,
+                           when the log had lost the checkpoint record that started it)
             damaged_lines  damaged lines dropped from the middle of the log
             lost_found     the folder holding the copies: the log as it was, the rows removed, this report
             last_commit    the last commit after the repair
@@ -249,22 +368,22 @@ class LogGuard:
         acknowledged = mark.id if mark is not None else 0
         lost = log.lost(mark)
         found = scan_unlogged(self._tables, self._names(), st, times=True)
-        recover, remove = classify(found, st, acknowledged)
-        # a commit a writer died in is collected here too (its rows copied first): the ids this repair
-        # logs as begun must not make it look complete (``classify``: a later begin proves a commit)
-        aborted = sorted(x for x in st.open_ids if x not in recover)
-        unrecoverable = [x for x in range(st.last_committed + 1, acknowledged + 1)
-                         if x not in found and x not in st.collected]
+        d = diagnose(st, mark, WalFiles.read(root), found)
+        # a commit a writer died in is collected here too (its rows copied first)
+        aborted = sorted({*d.open_ids, *(x for x in st.open_ids if x not in d.recover)})
         # ids the mark says were begun and the log lost, with no rows left: never to be used again
-        vanished = [x for x in range(st.max_id + 1, mark.begun + 1) if x not in found] if mark is not None else []
+        known = max([st.max_id, *d.from_frames, 0])
+        vanished = [x for x in range(known + 1, mark.begun + 1) if x not in found] if mark is not None else []
         report: dict[str, Any] = {
             "damage": [msg for _, msg in st.problems] + ([lost] if lost else []), "recovered": [], "removed": [],
-            "unrecoverable": unrecoverable, "tail_bytes": 0, "damaged_lines": len(st.problems), "lost_found": None,
+            "unrecoverable": sorted(d.lost), "lost": {str(x): why for x, why in sorted(d.lost.items())},
+            "tail_bytes": 0, "damaged_lines": len(st.problems), "lost_found": None, "wal_segment": d.gen,
             "last_commit": st.last_committed, "notes": [], "wal_frames_dropped": 0,
         }
-        if recover or remove:
-            report["damage"].append(_stranded_message(log, self._tables, found, recover, remove, acknowledged))
-        if not report["damage"]:
+        message = _stranded_message(log, self._tables, found, d, acknowledged)
+        if message:
+            report["damage"].append(message)
+        if not report["damage"] and not d.leftovers:
             return report
         folder = os.path.join(root, LOST_FOUND, dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%S.%fZ"))
         os.makedirs(folder)
@@ -275,27 +394,36 @@ class LogGuard:
             before = fh.read()
         _write_durably(os.path.join(folder, "commits.log"), before)
         report["tail_bytes"] = len(before) - keep
-        if remove or any(x in found for x in aborted):
-            self._take_out(sorted({*remove, *aborted}), folder)
+        taken = sorted({*d.remove, *(x for x in aborted if x in found)})
+        if taken:
+            self._take_out(taken, folder)
+        if d.leftovers:  # rows of an unfinished checkpoint: the WAL frames hold them whole
+            pred = f"commit_id IN ({', '.join(str(int(i)) for i in d.leftovers)})"
+            for name in self._names():
+                self._tables.delete(name, pred)
         # the WAL's damaged frames (copied first): their commits are lost, the frames around them kept
-        report["wal_frames_dropped"] = log.rewrite_wal(folder)
-        # 2. the log: its intact lines, then the recovered commits and the removed ids (never reused)
-        records = self._records(st, mark, found, recover, sorted({*remove, *aborted, *unrecoverable, *vanished}))
+        report["wal_frames_dropped"] = log.rewrite_wal(folder, d.gen)
+        # 2. the log: its intact lines, then the commits recorded from frames and recovered from rows,
+        # the checkpoint record it lost, and the removed and lost ids (never used again)
+        records = self._records(st, mark, found, d, sorted({*d.remove, *aborted, *d.lost, *vanished}))
         st = log.rewrite(keep, records)
         self.ceiling = max(self.ceiling, st.max_id)
         report["last_commit"] = st.last_committed
-        report["recovered"] = [{"id": x, "rows": found[x].total, "tables": found[x].rows} for x in recover]
-        report["removed"] = [{"id": x, "rows": found[x].total, "tables": found[x].rows}
-                             for x in sorted({*remove, *aborted}) if x in found]
+        report["recovered"] = [*({"id": x, "from": "wal", "rows": int(r.get("rows", 0))}
+                                 for x, r in d.from_frames.items()),
+                               *({"id": x, "from": "rows", "rows": found[x].total, "tables": found[x].rows}
+                                 for x in d.recover)]
+        report["removed"] = [{"id": x, "rows": found[x].total, "tables": found[x].rows} for x in taken]
         if lost or report["damaged_lines"]:
             report["notes"].append(
-                "what the lost or damaged lines of the log said that no row witnesses cannot be recovered: their "
-                "tags and untags, and the messages and sessions of the recovered commits; tag again what was tagged"
+                "what the lost or damaged lines of the log said that no row or WAL frame witnesses cannot be "
+                "recovered: their tags and untags, and the messages and sessions of commits recovered from "
+                "their rows; tag again what was tagged"
             )
-        if unrecoverable:
+        if d.lost:
             report["notes"].append(
-                f"commit(s) {_ids(unrecoverable)} at or below the acknowledged {acknowledged} have neither a commit "
-                "record nor rows: their writes are lost (unless they were aborted, and their record of that lost)"
+                f"commit(s) {_ids(d.lost)} were acknowledged and cannot be given back (see 'lost' for each one's "
+                f"reason); what rows of them were left are in {folder}"
             )
         _write_durably(os.path.join(folder, "report.json"), json.dumps(report, indent=1).encode())
         return report
@@ -316,17 +444,19 @@ class LogGuard:
                 self._tables.delete(name, pred)
 
     @staticmethod
-    def _records(st: LogState, mark: HighWaterMark | None, found: dict[int, Unlogged], recover: list[int],
+    def _records(st: LogState, mark: HighWaterMark | None, found: dict[int, Unlogged], d: Diagnosis,
                  retire: list[int]) -> list[dict[str, Any]]:
-        """Log records: a recovered commit for each of ``recover``, and ``retire`` begun and collected."""
-        times = {i: float(r["time"]) for i, r in list(st.commits.items())}
+        """Log records: the commits of ``d.from_frames`` as their frames say, a recovered commit
+        for each of ``d.recover``, a ``checkpoint`` record naming segment ``d.gen`` when the log
+        lost it, and ``retire`` begun and collected."""
+        times = {i: float(r["time"]) for i, r in [*list(st.commits.items()), *d.from_frames.items()]}
         if mark is not None:
             times.setdefault(mark.id, mark.time)
-        records: list[dict[str, Any]] = []
-        for x in sorted({*recover, *retire}):
+        records: list[dict[str, Any]] = [r for _, r in sorted(d.from_frames.items())]
+        for x in sorted({*d.recover, *retire}):
             if x not in st.begun:
                 records.append({"op": "begin", "id": x})
-            if x not in recover:
+            if x not in d.recover:
                 continue
             # the mark's time, or the newest row it wrote; kept between its neighbours' times, in order
             lo = max((t for i, t in times.items() if i < x), default=0.0)
@@ -338,6 +468,8 @@ class LogGuard:
                 "message": "recovered by repair: the log had lost this commit's record", "rows": found[x].total,
                 "recovered": True,
             })
+        if d.gen > st.wal_gen:  # the checkpoint that started segment ``gen`` finished: its record again
+            records.append({"op": "checkpoint", "upto": max([d.proven, *d.from_frames, *d.recover]), "wal": d.gen})
         retired = sorted(x for x in retire if x not in st.collected)
         if retired:
             records.append({"op": "collected", "ids": retired})

@@ -49,6 +49,15 @@ def segment_name(gen: int) -> str:
     return f"wal-{int(gen):08d}.log"
 
 
+def segment_files(folder: str) -> list[tuple[int, str]]:
+    """(generation, path) of every WAL segment in ``folder``, ascending."""
+    out = []
+    for n in os.listdir(folder):
+        if n.startswith("wal-") and n.endswith(".log") and n[4:-4].isdigit():
+            out.append((int(n[4:-4]), os.path.join(folder, n)))
+    return sorted(out)
+
+
 _PLAIN: dict[pa.Schema, pa.Schema] = {}
 _OPTIONS = pa.ipc.IpcWriteOptions(use_threads=False)
 
