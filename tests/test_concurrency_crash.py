@@ -346,6 +346,7 @@ def test_double_faults_lose_no_acknowledged_commit_silently(tmp_path: Path) -> N
         used = tx.commit_id
         db._committer.checkpoint()
         st = db._store.log.refresh()
+        assert not st.collected & set(st.commits), (did, "a live commit was retired as collected")
         for name in trellisdb.schema.DATA_TABLES:  # no stranded row is left to come back, none twice
             ids = lance.dataset(str(dbp / "tables" / f"{name}.lance")).to_table(columns=["commit_id"]) \
                 .column("commit_id").to_pylist()

@@ -638,10 +638,12 @@ class Database:
     def repair(self) -> dict[str, Any]:
         """Mend a commit log that lost records; return a report of what was done.
 
-        Every commit whose rows are proven complete (acknowledged, says the high-water mark
-        ``commits.hwm``, or followed by a later commit) gets back its commit record, with every
-        row the tables hold; rows of commits never acknowledged, and the damaged lines of the
-        log, are copied to ``<db>/lost+found/<UTC time>/`` and removed, and no id is used again.
+        Every commit whose rows are proven whole (its WAL frame; or rows in the tables that a
+        commit or checkpoint record, the high-water mark ``commits.hwm`` or a later WAL segment
+        says are complete) gets back its commit record; rows of commits never acknowledged, and
+        the damaged lines of the log, are copied to ``<db>/lost+found/<UTC time>/`` and removed,
+        and no id is used again. An acknowledged commit beyond proof (two faults at once) is
+        named in the report's ``lost``, with the reason.
         Tags lost with the log's lines cannot be recovered. On a healthy store it does nothing.
         A process that had read the lines a repair dropped must open the database again.
         See ``trellisdb/storage/recovery.py`` for the report's keys.

@@ -17,17 +17,22 @@ catch it:
   disagree in any way (no mark, another last commit, another length: after a
   crash, an older release, damage); ``verify`` always looks.
 
-:meth:`LogGuard.repair` keeps every row whose commit is proven complete: one at
-or below the mark's commit (the mark names a commit only after the fsync of its
-commit record, which follows every append of that commit), or one below a
-later ``begin`` (that writer would have collected it, had it been aborted). Each
-gets a recovered commit record (``"recovered": true``). Rows of other ids were
-never acknowledged (the writer may have died half-way): they are copied to
-``lost+found/<UTC time>/<table>.parquet``, deleted, and their ids logged as
-collected, so no id is used twice. The log keeps its intact lines: a damaged
-tail, and damaged lines in the middle, are dropped (the log as it was is copied
-to ``lost+found/<UTC time>/commits.log`` first). What the lost lines said that
-no row witnesses (tags, commit messages) cannot be recovered.
+:meth:`LogGuard.repair` keeps only commits whose every row it can prove (:func:`diagnose`):
+a whole WAL frame (its rows are in it; a frame of an older segment, whose checkpoint finished,
+gets its own record back), or Lance rows that a record says are whole: the commit's own record,
+a ``checkpoint`` record or the mark's ``upto`` (written after those), a WAL segment newer than
+the one the log names (only a finished checkpoint starts one), or, for a direct commit (its
+``begin`` logged), the mark's commit at or above it, or a later commit (had it been aborted, that
+writer would have collected it first). Those get a recovered commit record
+(``"recovered": true``). Rows a checkpoint that died half-way left in Lance are never taken for
+whole: they are deleted while their frames remain, and a commit whose frame is gone with only
+such rows left is named *lost*, with the reason. Rows of other ids were never acknowledged (the
+writer may have died half-way). Rows taken out are copied to
+``lost+found/<UTC time>/<table>.parquet``, deleted, and their ids logged as collected, so no id
+is used twice. The log keeps its intact lines: a damaged tail, and damaged lines in the middle,
+are dropped (the log as it was is copied to ``lost+found/<UTC time>/commits.log`` first), and a
+``checkpoint`` record it lost is written again. What the lost lines said that no row or frame
+witnesses (tags, the messages of commits recovered from rows) cannot be recovered.
 
     >>> import tempfile, trellisdb
     >>> db = trellisdb.connect(tempfile.mkdtemp() + "/db", embedding_dim=4)
@@ -170,6 +175,8 @@ class Diagnosis:
     uncovered: list[int] = field(default_factory=list)
     #: acknowledged commits that cannot be given back, with the reason
     lost: dict[int, str] = field(default_factory=dict)
+    #: the highest commit id the log or any WAL frame holds
+    used: int = 0
 
     @property
     def damage(self) -> bool:
@@ -211,7 +218,7 @@ def diagnose(st: LogState, mark: HighWaterMark | None, wal: WalFiles, found: dic
         if x <= proven and x not in st.logged:
             d.from_frames[x] = _frame_record(f)
     # the highest id any witness knows was used: a begun commit below it was not the last
-    used = max([st.max_id, *(f.id for fs in wal.frames.values() for f in fs), 0])
+    d.used = used = max([st.max_id, *(f.id for fs in wal.frames.values() for f in fs), 0])
     for x in sorted(found):
         if x in st.logged or x in d.from_frames:
             continue
@@ -371,8 +378,8 @@ class LogGuard:
         d = diagnose(st, mark, WalFiles.read(root), found)
         # a commit a writer died in is collected here too (its rows copied first)
         aborted = sorted({*d.open_ids, *(x for x in st.open_ids if x not in d.recover)})
-        # ids the mark says were begun and the log lost, with no rows left: never to be used again
-        known = max([st.max_id, *d.from_frames, 0])
+        # ids the mark says were begun and the log lost, with no rows or frames left: never to be used again
+        known = max([st.max_id, d.used])
         vanished = [x for x in range(known + 1, mark.begun + 1) if x not in found] if mark is not None else []
         report: dict[str, Any] = {
             "damage": [msg for _, msg in st.problems] + ([lost] if lost else []), "recovered": [], "removed": [],
@@ -383,7 +390,7 @@ class LogGuard:
         message = _stranded_message(log, self._tables, found, d, acknowledged)
         if message:
             report["damage"].append(message)
-        if not report["damage"] and not d.leftovers:
+        if not report["damage"]:  # rows an unfinished checkpoint left are no damage: the next one deletes them
             return report
         folder = os.path.join(root, LOST_FOUND, dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%S.%fZ"))
         os.makedirs(folder)
