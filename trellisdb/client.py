@@ -29,7 +29,7 @@ import threading
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 
@@ -37,8 +37,13 @@ from trellisdb import errors, wire
 from trellisdb.errors import TrellisError
 from trellisdb.result import Result
 
+if TYPE_CHECKING:
+    import httpx
+
 #: Media type of an Arrow IPC stream.
 ARROW_STREAM = "application/vnd.apache.arrow.stream"
+#: Seconds a connection is kept for the next request: under the server's keep-alive (5 s).
+KEEPALIVE = 2.0
 
 
 class RemoteError(TrellisError):
@@ -60,13 +65,17 @@ class RemoteDatabase:
     read_only = False
 
     def __init__(self, url: str, *, token: str | None = None, timeout: float = 60.0) -> None:
-        import httpx
+        import httpx  # (the server extra: missing, connect says so)
 
-        headers = {"authorization": f"Bearer {token}"} if token else {}
+        self._limits = httpx.Limits(max_connections=4, max_keepalive_connections=1, keepalive_expiry=KEEPALIVE)
         self.url = url.rstrip("/")
         self.path = self.url
-        self._http = httpx.Client(base_url=self.url, headers=headers, timeout=timeout)
-        self._local = threading.local()
+        self._headers = {"authorization": f"Bearer {token}"} if token else {}
+        self._timeout = timeout
+        self._local = threading.local()  # this thread's HTTP client and open transaction
+        self._lock = threading.Lock()
+        self._clients: list[tuple[threading.Thread, httpx.Client]] = []  # every thread's, to close
+        self._closed = False
 
     def __enter__(self) -> RemoteDatabase:
         return self
@@ -75,8 +84,42 @@ class RemoteDatabase:
         self.close()
 
     def close(self) -> None:
-        """Close the connection (the server keeps everything written; sessions stay open there)."""
-        self._http.close()
+        """Close the connections (the server keeps everything written; sessions stay open there)."""
+        with self._lock:
+            self._closed = True
+            clients, self._clients = self._clients, []
+        for _, http in clients:
+            http.close()
+
+    def _http(self) -> httpx.Client:
+        """This thread's HTTP client. Each thread has its own (its own connection pool): one
+        ``httpx.Client`` shared by threads lost requests (``[Errno 9] Bad file descriptor``):
+        httpcore's pool hands a request an idle connection under its lock, but the connection
+        turns active only once the request's thread starts sending, outside the lock, and another
+        thread's pass over the pool meanwhile closes it as surplus or expired. Connections are
+        kept idle for ``KEEPALIVE`` seconds, less than the server keeps them
+        (``http_limits.KEEP_ALIVE``), so the server never closes one a request is about to reuse."""
+        import httpx
+
+        http: httpx.Client | None = getattr(self._local, "http", None)
+        if self._closed:
+            raise RemoteError(f"{self.url}: this handle is closed; connect again")
+        if http is not None:
+            return http
+        http = httpx.Client(base_url=self.url, headers=self._headers, timeout=self._timeout, limits=self._limits)
+        with self._lock:
+            closed = self._closed
+            if not closed:
+                ended = [c for c in self._clients if not c[0].is_alive()]  # of threads that ended
+                self._clients = [c for c in self._clients if c[0].is_alive()]
+                self._clients.append((threading.current_thread(), http))
+        if closed:
+            http.close()
+            raise RemoteError(f"{self.url}: this handle is closed; connect again")
+        for _, old in ended:
+            old.close()
+        self._local.http = http
+        return http
 
     def __repr__(self) -> str:
         return f"<trellisdb.RemoteDatabase {self.url}>"
@@ -89,7 +132,7 @@ class RemoteDatabase:
 
         payload = None if body is None else wire.encode(body)
         try:
-            r = self._http.request(method, path, json=payload)
+            r = self._http().request(method, path, json=payload)
         except httpx.HTTPError as e:
             raise RemoteError(f"{self.url}{path}: {e}; is `trellis serve` running there?") from e
         if r.status_code >= 400:

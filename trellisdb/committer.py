@@ -660,6 +660,22 @@ class Committer:
             out.update((r["id"], r) for r in rows)
         return out
 
+    def node_sessions(self, ids: Sequence[str]) -> dict[str, str]:
+        """The session of each node among ``ids`` that exists (pending or committed; the
+        session that first wrote it); unknown ids are absent."""
+        out: dict[str, str] = {}
+        with self._state_lock:  # as missing_nodes: a group commit must not hide a node half-way
+            for b in self.batches():
+                for i in ids:
+                    if i in b.nodes and i not in out:
+                        out[i] = b.nodes[i]["session_id"]
+            todo = [i for i in ids if i not in out]
+            if todo:
+                out.update((r["id"], r["session_id"]) for r in self.lookup(
+                    "SELECT id, arg_min(session_id, commit_id) AS session_id FROM nodes_history "
+                    "WHERE id IN (SELECT unnest($1::VARCHAR[])) GROUP BY id", [todo]))
+        return out
+
     def _remember_stored(self, table: str, values: Iterable[str]) -> None:
         """Remember node ids (all) or artifact hashes (a bounded cache: duplicates recur) this
         writer committed."""

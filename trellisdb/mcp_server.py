@@ -8,10 +8,13 @@ Resources: ``trellis://schema`` (the tables and columns) and ``trellis://tql`` (
 reference). A ``TrellisError`` reaches the agent as a tool error with its message (a TQL
 syntax error with its caret and hint), so the agent can correct itself.
 
-Inside ``trellis serve``, the writing tools go through the server (``Writes``: ``record_step``
-as the body of ``POST /v1/steps``, ``add_reward`` and ``compare`` as session calls), so MCP
-steps join the cross-client group commit and carry the caller's token as their provenance and
-owner; the endpoint asks for the server's bearer token.
+Inside ``trellis serve``, the tools go through the server (``Writes``: every TQL statement of
+``query``, ``frontier``, ``lineage`` and ``retrieve`` as the body of ``POST /v1/query``, so the
+token's role is checked per statement as over REST; ``record_step`` as the body of ``POST
+/v1/steps``, ``add_reward`` and ``compare`` as session calls), so MCP steps join the
+cross-client group commit and carry the caller's token as their provenance and owner, and what
+an agent may change is checked as for any client; the endpoint asks for the server's bearer
+token.
 
 >>> import tempfile, trellisdb
 >>> server = build_server(trellisdb.connect(tempfile.mkdtemp() + "/db", embedding_dim=4))
@@ -59,9 +62,13 @@ def _rows(table: Any) -> dict[str, Any]:
 
 
 class Writes(Protocol):
-    """What the writing tools call inside ``trellis serve`` (``service.Caller``: the server's
-    ``Service`` on behalf of the token the MCP session came with). Each blocks, so it runs in the
-    tool's worker thread."""
+    """What the tools call inside ``trellis serve`` (``service.Caller``: the server's ``Service``
+    on behalf of the token the MCP session came with). Each blocks, so it runs in the tool's
+    worker thread."""
+
+    def query(self, body: Mapping[str, Any]) -> Any:
+        """A ``POST /v1/query`` body in, its rows (an Arrow table) out; the token's role checked
+        for the statement."""
 
     def step(self, body: Mapping[str, Any]) -> Mapping[str, Any]:
         """A ``POST /v1/steps`` body in, ``{"id", "commit"}`` out once durable."""
@@ -89,6 +96,14 @@ def build_server(db: Database, *, writes: Writes | None = None, read_only: bool 
     def writing(fn: Any) -> Any:  # a writing tool: registered unless the server is read-only
         return fn if read_only else mcp.tool()(fn)
 
+    def run_tql(text: str, **params: Any) -> dict[str, Any]:
+        """Every tool's TQL: through the server's one door for TQL when served (the role check)."""
+        def ask() -> Any:
+            if writes is not None:
+                return writes.query({"tql": text, "params": params})
+            return db.query(text, **params).to_arrow()
+        return _rows(run(ask))
+
     def run(fn: Any, *args: Any, **kw: Any) -> Any:
         try:
             return fn(*args, **kw)
@@ -114,7 +129,7 @@ def build_server(db: Database, *, writes: Writes | None = None, read_only: bool 
               params: Annotated[dict[str, Any] | None, Field(description="values of $names")] = None
               ) -> dict[str, Any]:
         """Run a TQL query (see resource trellis://tql); rows as JSON."""
-        return _rows(run(db.query, tql, **(params or {})).to_arrow())
+        return run_tql(tql, **(params or {}))
 
     @mcp.tool()
     def frontier(channel: Annotated[str, Field(description="reward channel to rank by")],
@@ -126,14 +141,14 @@ def build_server(db: Database, *, writes: Writes | None = None, read_only: bool 
         per = f" PER PARENT {int(per_parent)}" if per_parent else ""
         text = (f"FRONTIER {scope}RANK BY reward($ch) DESC{per} LIMIT {int(k)} "
                 "RETURN id, summary, reward($ch) AS reward")
-        return _rows(run(db.query, text, ch=channel, **({"s": session} if session else {})).to_arrow())
+        return run_tql(text, ch=channel, **({"s": session} if session else {}))
 
     @mcp.tool()
     def lineage(node: str, direction: Annotated[str, Field(pattern="^(ancestors|descendants)$")] = "ancestors",
                 hops: Annotated[int, Field(ge=1, le=10_000)] = 10) -> dict[str, Any]:
         """Where a node came from (ancestors) or what came of it (descendants), with hops."""
         text = f"LINEAGE OF $n {direction.upper()} {int(hops)} RETURN id, hop, summary, status"
-        return _rows(run(db.query, text, n=node).to_arrow())
+        return run_tql(text, n=node)
 
     @mcp.tool()
     def retrieve(text: Annotated[str, Field(description="what to look for")],
@@ -147,7 +162,7 @@ def build_server(db: Database, *, writes: Writes | None = None, read_only: bool 
             raise ToolError(f"space {space!r} is not a space name")
         expand = f" EXPAND LINEAGE {int(expand_hops)}" if expand_hops else ""
         q = f"RETRIEVE {int(k)} {search}{expand} RETURN id, relation, hop, summary"
-        return _rows(run(db.query, q, t=text).to_arrow())
+        return run_tql(q, t=text)
 
     @writing
     def record_step(session: str, summary: str, task: str | None = None,

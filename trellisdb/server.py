@@ -15,7 +15,7 @@ on ``/v1/query`` and ``/v1/sql``):
   ``{"session"}``, ``/v1/sessions/close`` ``{"session", "status"}``;
 - ``POST /v1/call`` ``{"method", "args", "kwargs", "session", "tx"}``: one method of the embedded
   handle or of a session writer (``service.DB_CALLS``, ``service.SESSION_CALLS``);
-- ``POST /v1/tokens`` ``{"role", "name"}``, ``GET /v1/tokens``, ``POST /v1/tokens/revoke`` ``{"name"}``:
+- ``POST /v1/tokens`` ``{"role", "name", "expires"}``, ``GET /v1/tokens``, ``POST /v1/tokens/revoke`` ``{"name"}``:
   the tenant's tokens (admin); ``POST /v1/tenant/purge`` ``{"tenant"}``: delete the caller's
   tenant, its store and tokens (admin; the name repeated as a confirmation);
 - ``POST /v1/flush`` ``{"meta"}``: every write so far durable; ``POST /v1/tx/begin`` ``{"message",
@@ -27,9 +27,12 @@ durable takes a ticket, one committer thread flushes a couple of milliseconds af
 ticket it has not covered, and each call returns once the flush covering it is done.
 
 Requests larger than ``max_body`` bytes are refused (413) before they are read whole; errors are
-JSON ``{"error": <class>, "message": ...}`` with 400 (bad input), 401 (token), 403 (role,
-read-only store), 408 (a body trickled in too slowly), 413, 500 (a damaged store, a bug). With a ``token``, every request must carry ``Authorization:
-Bearer <token>``.
+JSON ``{"error": <class>, "message": ...}`` with 400 (bad input), 401 (no, unknown or expired token), 403
+(role, read-only store, another agent's session or node, another token's transaction), 408 (a body
+trickled in too slowly), 413, 500 (a damaged store, a bug). With tokens, every request must carry
+``Authorization: Bearer <token>`` (the scheme in any case; nothing else is read as a token).
+Connections are bounded by ``trellisdb/http_limits.py`` (headers within a timeout, idle ones
+closed, at most so many open at once).
 """
 
 from __future__ import annotations
@@ -44,7 +47,8 @@ import pyarrow as pa
 
 from trellisdb import wire
 from trellisdb.errors import AccessError, CorruptionError, ReadOnlyError, TrellisError, ValidationError
-from trellisdb.service import Caller, Service, Services, Verify, field, need_of_call, need_of_query, result_table
+from trellisdb.http_limits import HEADER_TIMEOUT, KEEP_ALIVE, MAX_CONNECTIONS
+from trellisdb.service import Caller, Service, Services, Verify, field, need_of_call, result_table
 
 if TYPE_CHECKING:
     from starlette.applications import Starlette
@@ -163,12 +167,14 @@ def build_app(db: Database, *, token: str | None = None, max_body: int = MAX_BOD
     services = Services(db, token=token, verify=verify)
 
     def caller(authorization: str | None, need: str) -> Principal:
-        who = services.principal(authorization)
+        try:
+            who = services.principal(authorization)
+        except AccessError as e:  # an expired token
+            raise HttpError(401, "Unauthorized", str(e)) from None
         if who is None:
             raise HttpError(401, "Unauthorized", "a valid 'Authorization: Bearer <token>' header is needed")
         if not who.may(need):
-            raise HttpError(403, "Forbidden", f"token {who.name!r} is an {who.role} of tenant {who.tenant!r}; this "
-                                              f"needs the {need} right ({_ROLE_HELP})")
+            raise HttpError(403, "Forbidden", who.refusal(need))
         return who
 
     def guarded(handler: Callable[[Request, Service, Principal], Awaitable[Response]],
@@ -193,9 +199,8 @@ def build_app(db: Database, *, token: str | None = None, max_body: int = MAX_BOD
         return _json({**await run_in_threadpool(service.health), "tenant": who.tenant, "role": who.role})
 
     async def query(request: Request, service: Service, who: Principal) -> Response:
-        body = await _body(request, max_body, body_timeout)
-        caller(request.headers.get("authorization"), need_of_query(body.get("tql")))
-        return _table_response(await run_in_threadpool(service.query, body), body.get("format"))
+        body = await _body(request, max_body, body_timeout)  # (the statement's role: checked by the service)
+        return _table_response(await run_in_threadpool(service.query, body, who), body.get("format"))
 
     async def sql(request: Request, service: Service, who: Principal) -> Response:
         body = await _body(request, max_body, body_timeout)
@@ -235,16 +240,21 @@ def build_app(db: Database, *, token: str | None = None, max_body: int = MAX_BOD
                                                                              Awaitable[Response]]:
         async def handler(request: Request, service: Service, who: Principal) -> Response:
             body = {} if request.method == "GET" else wire.decode(await _body(request, max_body, body_timeout))
-            return _json(await run_in_threadpool(work, who, body))
+            out = await run_in_threadpool(work, who, body)
+            if request.method == "POST":  # a token revoked (or a tenant purged): its MCP server goes
+                await forget_mcp()
+            return _json(out)
         return handler
 
     def make_token(who: Principal, body: dict[str, Any]) -> dict[str, Any]:
         role = field(body, "role", str)
         name = field(body, "name", str, optional=True)
-        secret = services.tokens.create(who.tenant, role, name=name)
+        expires = field(body, "expires", str, optional=True)
+        secret = services.tokens.create(who.tenant, role, name=name, expires=expires)
         made = services.tokens.lookup(secret)
         assert made is not None
-        return {"token": secret, "name": made.name, "tenant": made.tenant, "role": made.role}
+        return {"token": secret, "name": made.name, "tenant": made.tenant, "role": made.role,
+                "expires": None if made.expires is None else made.expires.isoformat(timespec="seconds")}
 
     def purge_tenant(who: Principal, body: dict[str, Any]) -> dict[str, Any]:
         named = field(body, "tenant", str)
@@ -265,8 +275,9 @@ def build_app(db: Database, *, token: str | None = None, max_body: int = MAX_BOD
         Route("/v1/sessions/resume", guarded(posted(Service.resume_session), "write"), methods=["POST"]),
         Route("/v1/sessions/close", guarded(posted(Service.close_session), "write"), methods=["POST"]),
         Route("/v1/tx/begin", guarded(posted(Service.begin), "write"), methods=["POST"]),
-        Route("/v1/tx/commit", guarded(posted(lambda s, b, w: s.end(b, commit=True)), "write"), methods=["POST"]),
-        Route("/v1/tx/rollback", guarded(posted(lambda s, b, w: s.end(b, commit=False)), "write"),
+        Route("/v1/tx/commit", guarded(posted(lambda s, b, w: s.end(b, commit=True, who=w)), "write"),
+              methods=["POST"]),
+        Route("/v1/tx/rollback", guarded(posted(lambda s, b, w: s.end(b, commit=False, who=w)), "write"),
               methods=["POST"]),
         Route("/v1/tokens", guarded(tokens(lambda who, b: services.tokens.list(who.tenant)), "admin"),
               methods=["GET"]),
@@ -279,28 +290,40 @@ def build_app(db: Database, *, token: str | None = None, max_body: int = MAX_BOD
     # MCP over streamable HTTP at /mcp: one MCP server per token (its tenant's store, its name the
     # provenance of its steps; an analyst's has only the reading tools), made on first use, its session manager run in the app's task group; its
     # steps join that tenant's group commit. Mounted last: "/" takes every path the routes do not.
-    mcp_apps: dict[tuple[str, str, bool], McpHttp] = {}
+    # Keyed by the token's hash, not its name: a token revoked and made again under its name (as
+    # another role) is another server; one whose token stopped working is stopped and dropped.
+    mcp_apps: dict[str, tuple[McpHttp, anyio.CancelScope]] = {}  # by Principal.key
     mcp_lock = anyio.Lock()
     group: list[anyio.abc.TaskGroup] = []
 
-    async def mcp_for(who: Principal) -> McpHttp:
-        key = (who.tenant, who.name, not who.may("write"))
+    def forget_stale_mcp() -> None:
+        """Stop and drop the MCP servers whose tokens were revoked or expired (on the loop)."""
+        live = services.active_keys()
+        for key in [k for k in mcp_apps if k not in live]:
+            mcp_apps.pop(key)[1].cancel()
+
+    async def forget_mcp() -> None:
         async with mcp_lock:
-            app = mcp_apps.get(key)
-            if app is None:
+            forget_stale_mcp()
+
+    async def mcp_for(who: Principal) -> McpHttp:
+        async with mcp_lock:
+            forget_stale_mcp()
+            entry = mcp_apps.get(who.key)
+            if entry is None:
                 service = await run_in_threadpool(services.service, who.tenant)
                 app = http_app(service.db, writes=Caller(service, who), host=host,
-                               allowed_hosts=allowed_hosts, max_body=max_body, read_only=key[2])
+                               allowed_hosts=allowed_hosts, max_body=max_body, read_only=not who.may("write"))
 
-                async def run_manager(*, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
-                                      ) -> None:
-                    async with app.lifespan():
-                        task_status.started()
-                        await anyio.sleep_forever()
+                async def run_manager(*, task_status: anyio.abc.TaskStatus[anyio.CancelScope] =
+                                      anyio.TASK_STATUS_IGNORED) -> None:
+                    with anyio.CancelScope() as scope:
+                        async with app.lifespan():
+                            task_status.started(scope)
+                            await anyio.sleep_forever()
 
-                await group[0].start(run_manager)
-                mcp_apps[key] = app
-            return app
+                entry = mcp_apps[who.key] = (app, await group[0].start(run_manager))
+            return entry[0]
 
     async def mcp_endpoint(scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -333,19 +356,27 @@ def build_app(db: Database, *, token: str | None = None, max_body: int = MAX_BOD
     return Starlette(routes=routes, lifespan=lifespan)
 
 
-_ROLE_HELP = ("agent: read, and write its own sessions; analyst: read; admin: also any session, views, exports, "
-              "tags, ingest, quarantine, purge, tokens")
-
-
 def serve(path: str, *, host: str = "127.0.0.1", port: int = 7437, token: str | None = None,
           max_body: int = MAX_BODY, allowed_hosts: Sequence[str] | None = None,
-          export_root: str | None = None, body_timeout: float = BODY_TIMEOUT, verify: Verify | None = None) -> None:
-    """Open the store at ``path`` and serve it (and its tenants) until interrupted (``trellis serve``)."""
+          export_root: str | None = None, body_timeout: float = BODY_TIMEOUT, verify: Verify | None = None,
+          header_timeout: float = HEADER_TIMEOUT, keep_alive: int = KEEP_ALIVE,
+          max_connections: int = MAX_CONNECTIONS) -> None:
+    """Open the store at ``path`` and serve it (and its tenants) until interrupted (``trellis serve``).
+    ``header_timeout``: seconds a client has to send a request's headers; ``keep_alive``: seconds
+    an idle connection is kept after a response; ``max_connections``: connections open at once
+    (``trellisdb/http_limits.py``)."""
     import uvicorn
 
     from trellisdb.database import open_local
+    from trellisdb.http_limits import bounded
 
+    for name, value in (("header_timeout", header_timeout), ("keep_alive", keep_alive)):
+        if not value > 0:
+            raise ValidationError(f"{name} must be seconds above 0, got {value!r}")
+    if max_connections < 1:
+        raise ValidationError(f"max_connections must be at least 1, got {max_connections!r}")
     with open_local(path, export_root=export_root) as db:
         app = build_app(db, token=token, max_body=max_body, host=host, allowed_hosts=allowed_hosts,
                         body_timeout=body_timeout, verify=verify)
-        uvicorn.run(app, host=host, port=port, log_level="warning")
+        uvicorn.run(app, host=host, port=port, log_level="warning", http=bounded(header_timeout, max_connections),
+                    timeout_keep_alive=keep_alive)

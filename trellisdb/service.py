@@ -42,7 +42,14 @@ from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 
-from trellisdb.errors import AccessError, CommitError, TransactionError, ValidationError
+from trellisdb.errors import (
+    AccessError,
+    CommitError,
+    TransactionError,
+    UnknownNodeError,
+    UnknownSessionError,
+    ValidationError,
+)
 from trellisdb.names import SESSION_PROVENANCE
 from trellisdb.result import Result
 from trellisdb.writer import reward_value
@@ -74,6 +81,14 @@ SESSION_CALLS: dict[str, frozenset[str]] = {m: frozenset() for m in (
     "add_node", "add_edge", "add_artifact", "add_reward", "add_comparison", "set_status", "set_attrs", "label",
     "unlabel")}
 DB_CALLS.update({m: frozenset() for m in ("quarantine", "release", "purge")})
+#: Who may change what, for an agent (an admin may change anything): the argument of each session
+#: call naming what it changes, which must be the agent's own -- nodes of sessions its token
+#: opened (for ``set_attrs``: of the ``scope`` it names; a session's, its own session; a task's,
+#: an admin's only). Not here, so open to any node the agent can read: ``add_node``'s parents (an
+#: edge into its new node), ``add_edge``'s ``src`` and ``add_comparison``'s nodes (a judgment is
+#: its own row).
+OWN: dict[str, str] = {"add_reward": "node_id", "set_status": "node_id", "label": "node_ids", "unlabel": "node_ids",
+                       "set_attrs": "entity", "add_artifact": "node_id", "add_edge": "dst"}
 #: Step fields a whole-step call may carry (``add_node``'s arguments).
 STEP_FIELDS = frozenset({"id", "parents", "edge_kind", "kind", "step", "status", "summary", "cost", "embedding",
                          "artifacts", "source", "attrs", "labels", "at", "action", "state"})
@@ -88,8 +103,10 @@ class _Tx:
     class _Abort(Exception):
         pass
 
-    def __init__(self, db: Database, message: str | None, meta: Mapping[str, Any] | None, timeout: float) -> None:
+    def __init__(self, db: Database, message: str | None, meta: Mapping[str, Any] | None, timeout: float,
+                 owner: Principal | None = None) -> None:
         self.db, self.message, self.meta, self.timeout = db, message, meta, timeout
+        self.owner = owner  # who began it: the only caller it takes
         self._calls: queue.Queue[Any] = queue.Queue()
         self._lock = threading.Lock()
         self.ended: str | None = None  # why it can take no more calls
@@ -260,9 +277,13 @@ class Service:
     def health(self) -> dict[str, Any]:
         return {"ok": True, "commit": self.db.snapshot().commit}
 
-    def query(self, body: Mapping[str, Any]) -> pa.Table:
+    def query(self, body: Mapping[str, Any], who: Principal | None = None) -> pa.Table:
+        """TQL for ``who``: every door's TQL (``/v1/query``, MCP's tools) comes here, so each
+        statement's role check (:func:`need_of_query`) is made in this one place."""
         text = field(body, "tql", str)
         params = field(body, "params", dict, optional=True) or {}
+        if who is not None:
+            who.require(need_of_query(text))
         return self.db.query(text, **params).to_arrow()
 
     def sql(self, body: Mapping[str, Any]) -> pa.Table:
@@ -330,12 +351,13 @@ class Service:
         _check_args("session", self.db.session, [], kw, frozenset({"provenance"}))
         sid = kw.get("id")
         if not isinstance(sid, str):  # a new id: nobody else can be opening it
-            w = self._in_tx(body, lambda: self.db.session(**kw, provenance=provenance_of(who)))
+            w = self._in_tx(body, lambda: self.db.session(**kw, provenance=provenance_of(who)), who)
             self._opened(w, who)
             return {"id": w.id, "task_id": w.task_id}
         with self._session_lock(sid):  # two callers opening one id: the second sees the first's
+            self.owner(sid)  # its stored owner, known before an admin's reopening could pass for it
             self._check_owner(sid, who)
-            w = self._in_tx(body, lambda: self.db.session(**kw, provenance=provenance_of(who)))
+            w = self._in_tx(body, lambda: self.db.session(**kw, provenance=provenance_of(who)), who)
             self._opened(w, who)
         return {"id": w.id, "task_id": w.task_id}
 
@@ -353,7 +375,7 @@ class Service:
         status = field(body, "status", str, optional=True) or "completed"
         with self._session_lock(sid):
             w = self._writer(sid, who)
-            self._in_tx(body, lambda: w.close(status))
+            self._in_tx(body, lambda: w.close(status), who)
             with self._lock:
                 self._writers.pop(sid, None)
         return {"id": sid}
@@ -427,18 +449,65 @@ class Service:
                 kwargs = {**kwargs, "provenance": provenance_of(who)}
             fn = getattr(self.db, method)
             _check_args(method, fn, args, kwargs, refused)
-            out = self._in_tx(body, lambda: fn(*args, **kwargs))
+            out = self._in_tx(body, lambda: fn(*args, **kwargs), who)
             if method == "purge":  # the purged sessions' writers (and owners) are gone with them
                 with self._lock:
                     self._writers.clear()
                     self._owners.clear()
             return out
         with self._session_lock(sid):
-            fn = getattr(self._writer(sid, who), method)
-            _check_args(method, fn, args, kwargs, refused)
+            w = self._writer(sid, who)
+            fn = getattr(w, method)
+            bound = _check_args(method, fn, args, kwargs, refused)
             if method == "add_node":  # a node written call by call passes the same check as a step
                 kwargs = {**kwargs, **self._verified(sid, kwargs, {}, who)}
-            return self._in_tx(body, lambda: fn(*args, **kwargs))
+
+            def write() -> Any:  # checked where it runs (a transaction's thread sees its own nodes)
+                self._check_targets(w, method, bound, who)
+                return fn(*args, **kwargs)
+            return self._in_tx(body, write, who)
+
+    def _check_targets(self, w: SessionWriter, method: str, bound: inspect.BoundArguments,
+                       who: Principal | None) -> None:
+        """Refuse an agent's session call that changes what is not its own (see :data:`OWN`):
+        the nodes a call scores, labels, re-states, gives attributes or artifacts, or links to
+        (an edge's ``dst``) must be nodes of sessions its token opened; a session's attributes
+        its own session's; a task's attributes are an admin's. Every session call of every door
+        (``/v1/call``, MCP's tools) passes here; a whole step writes only the node it makes. An
+        unknown node is refused here too (else another session could create it meanwhile)."""
+        if who is None or who.may("admin") or method not in OWN:
+            return
+        bound.apply_defaults()
+        value = bound.arguments[OWN[method]]
+        scope = bound.arguments.get("scope", "node") if method == "set_attrs" else "node"
+        if scope == "task":
+            raise AccessError(f"set_attrs: task {str(value)[:200]!r}: a task's attributes are an admin's (a task "
+                              f"is shared by every agent of tenant {who.tenant!r}); set them on your nodes or session")
+        mine = provenance_of(who)
+        if scope == "session" and isinstance(value, str):
+            exists, owner = self.owner(value)
+            if not exists:
+                raise UnknownSessionError(f"attributes of session {value[:200]!r}: it does not exist; add it first")
+            if owner != mine:
+                raise AccessError(f"set_attrs: session {value[:200]!r} was opened by "
+                                  f"{owner or 'a writer without a token'}; token {who.name!r} (an agent) may set "
+                                  "attributes only of the sessions it opened")
+            return
+        ids = [value] if isinstance(value, str) else value
+        if scope != "node" or not isinstance(ids, list | tuple) or not all(isinstance(i, str) for i in ids):
+            return  # the method refuses the value (or the scope) itself
+        sessions = w.sessions_of(list(ids))
+        for node in ids:
+            sid = sessions.get(node)
+            if sid is None:
+                raise UnknownNodeError(f"{method}: node {node[:200]!r} does not exist; add it first")
+            owner = self.owner(sid)[1]
+            if owner != mine:
+                raise AccessError(
+                    f"{method}: node {node[:200]!r} is of session {sid[:200]!r}, opened by "
+                    f"{owner or 'a writer without a token'}; token {who.name!r} (an agent) may change only the "
+                    "nodes of the sessions it opened (it may link its own nodes to others' and compare any: see "
+                    "docs/server.md, Who may change what)")
 
     def flush(self, body: Mapping[str, Any], who: Principal | None = None) -> int | None:
         """Make every pending write durable (shared with other clients' flushes); the commit."""
@@ -460,41 +529,50 @@ class Service:
             if len(self._txs) >= MAX_TRANSACTIONS:
                 raise TransactionError(f"{MAX_TRANSACTIONS} transactions are open on this server; commit or "
                                        "roll back one first")
-        tx = _Tx(self.db, message, meta, float(timeout))
+        tx = _Tx(self.db, message, meta, float(timeout), who)
         tx_id = f"tx{next(self._tx_ids)}-{secrets.token_hex(8)}"
         with self._lock:
             self._txs[tx_id] = tx
         return {"tx": tx_id, "timeout": tx.timeout}
 
-    def end(self, body: Mapping[str, Any], commit: bool) -> dict[str, Any]:
+    def end(self, body: Mapping[str, Any], commit: bool, who: Principal | None = None) -> dict[str, Any]:
         tx_id = field(body, "tx", str)
-        tx = self._tx(tx_id)
+        tx = self._tx(tx_id, who)
         try:
             return {"commit_id": tx.end(commit)}
         finally:
             with self._lock:
                 self._txs.pop(tx_id, None)
 
-    def _tx(self, tx_id: str) -> _Tx:
+    def _tx(self, tx_id: str, who: Principal | None) -> _Tx:
+        """Open transaction ``tx_id``, if ``who`` began it: a transaction is its token's alone
+        (an admin's included: no one else has a reason to write into, commit or roll back
+        another client's block; it times out on its own)."""
         with self._lock:
             tx = self._txs.get(tx_id)
         if tx is None:
             raise TransactionError(f"no open transaction {tx_id[:80]!r}: it was committed, rolled back, timed out "
                                    "or the server restarted; begin a new one")
+        if not (who is None if tx.owner is None else tx.owner.same_token(who)):
+            raise AccessError(f"transaction {tx_id[:80]!r} was begun by another token; only the token that began a "
+                              "transaction may call in it, commit it or roll it back")
         return tx
 
-    def _in_tx(self, body: Mapping[str, Any], fn: Callable[[], Any]) -> Any:
-        """Run ``fn`` in the transaction the call names (on its thread), else here."""
+    def _in_tx(self, body: Mapping[str, Any], fn: Callable[[], Any], who: Principal | None) -> Any:
+        """Run ``fn`` in the transaction the call names (on its thread; ``who``'s own), else here."""
         tx_id = field(body, "tx", str, optional=True)
-        return fn() if tx_id is None else self._tx(tx_id).run(fn)
+        return fn() if tx_id is None else self._tx(tx_id, who).run(fn)
 
 
 class Caller:
-    """A :class:`Service`'s writes on behalf of one caller (``mcp_server.Writes``: what MCP's
-    writing tools call inside ``trellis serve``)."""
+    """A :class:`Service`'s work on behalf of one caller (``mcp_server.Writes``: what MCP's tools
+    call inside ``trellis serve``)."""
 
     def __init__(self, service: Service, who: Principal | None) -> None:
         self.service, self.who = service, who
+
+    def query(self, body: Mapping[str, Any]) -> pa.Table:
+        return self.service.query(body, self.who)
 
     def step(self, body: Mapping[str, Any]) -> dict[str, Any]:
         return self.service.step(body, self.who)
@@ -564,12 +642,12 @@ def field(body: Mapping[str, Any], name: str, kind: type, *, optional: bool = Fa
 
 
 def _check_args(method: str, fn: Callable[..., Any], args: list[Any], kwargs: Mapping[str, Any],
-                refused: frozenset[str]) -> None:
+                refused: frozenset[str]) -> inspect.BoundArguments:
     bad = sorted(refused & set(kwargs))
     if bad:
         raise ValidationError(f"{method}: {', '.join(bad)} cannot be passed to a remote store")
     try:
-        inspect.signature(fn).bind(*args, **kwargs)
+        return inspect.signature(fn).bind(*args, **kwargs)
     except TypeError as e:
         raise ValidationError(f"{method}: {e}") from None
 
@@ -642,19 +720,35 @@ class Services:
         self._opened: list[Database] = []
 
     def principal(self, authorization: str | None) -> Principal | None:
-        """Who sends ``Authorization: <authorization>`` (None: nobody we know)."""
+        """Who sends ``Authorization: <authorization>`` (None: nobody we know, or a header that is
+        not ``Bearer <token>``, the scheme in any case); an expired token raises ``AccessError``
+        naming its expiry."""
         import hmac
 
-        from trellisdb.tenants import DEFAULT_TENANT, Principal
+        from trellisdb.tenants import DEFAULT_TENANT, Principal, token_key
 
-        given = (authorization or "").removeprefix("Bearer ").strip() if authorization else None
-        if given:
-            if self._token is not None and hmac.compare_digest(given.encode(), self._token.encode()):
-                return Principal("server-token", DEFAULT_TENANT, "admin")
-            return self.tokens.lookup(given)
-        if self._token is None and not self.tokens.enabled():
-            return Principal("anonymous", DEFAULT_TENANT, "admin")
-        return None
+        if authorization is None or not authorization.strip():
+            if self._token is None and not self.tokens.enabled():
+                return Principal("anonymous", DEFAULT_TENANT, "admin")
+            return None
+        scheme, _, given = authorization.strip().partition(" ")
+        given = given.strip()
+        if scheme.lower() != "bearer" or not given:
+            return None
+        if self._token is not None and hmac.compare_digest(given.encode(), self._token.encode()):
+            return Principal("server-token", DEFAULT_TENANT, "admin", key=token_key(given))
+        return self.tokens.lookup(given)
+
+    def active_keys(self) -> frozenset[str]:
+        """The :attr:`Principal.key` of every caller whose token works now (not revoked, not
+        expired; ``""``: the anonymous admin of an open server): what a cache of a token's state
+        (``server.py``'s MCP servers) checks before keeping it."""
+        from trellisdb.tenants import token_key
+
+        keys = self.tokens.active_keys()
+        if self._token is not None:
+            return keys | {token_key(self._token)}
+        return keys if self.tokens.enabled() else frozenset({""})
 
     def service(self, tenant: str) -> Service:
         """The service of ``tenant``'s store (opened, and created, on first use)."""

@@ -388,6 +388,11 @@ class SessionWriter:
             batch.rows["comparisons"].append(row)
         return comparison_id
 
+    def sessions_of(self, node_ids: Sequence[str]) -> dict[str, str]:
+        """The session of each of ``node_ids`` that exists, pending in this process or committed
+        (what a server checks before an agent changes a node: ``service.py``)."""
+        return self._c.node_sessions(node_ids)
+
     def set_status(self, node_id: str | Sequence[str], status: str) -> None:
         """Change the status of a node, or of many at once (new rows; history keeps the old ones).
 

@@ -8,7 +8,8 @@ trellis [--db PATH] [--read-only] [--export-root DIR] [--quiet] [--version] COMM
     | embed SPACE [--target nodes|tasks] [--create]
     | purge (--session ID ... | --task T) --yes
     | import FORMAT PATH | serve [--host H] [--port P] [--token T] [--allowed-host NAME] [--verify MOD:FN]
-    | token create --tenant T --role R [--name N] | token list [--tenant T] | token revoke NAME
+          [--header-timeout S] [--keep-alive S] [--max-connections N]
+    | token create --tenant T --role R [--name N] [--expires WHEN] | token list [--tenant T] | token revoke NAME
 
 Global options go before or after the command (`trellis --db X log`, `trellis log --db X`); given
 twice, the one after the command wins. The database is `--db`, else `$TRELLIS_DB`, else
@@ -42,6 +43,7 @@ import pyarrow as pa
 
 from trellisdb.cli.output import WIDTH, format_table
 from trellisdb.errors import NotADatabaseError, TrellisError
+from trellisdb.http_limits import HEADER_TIMEOUT, KEEP_ALIVE, MAX_CONNECTIONS
 
 __all__ = ["CLI_WORDS", "build_parser", "format_table", "in_cli_words", "main"]
 
@@ -294,6 +296,13 @@ def build_parser() -> argparse.ArgumentParser:
                           "(default $TRELLIS_TOKEN; per-tenant tokens: trellis token create)")
     srv.add_argument("--body-timeout", type=float, default=30.0, metavar="SECONDS",
                      help="seconds a request body may take to arrive (slower clients get 408; default 30)")
+    srv.add_argument("--header-timeout", type=float, default=HEADER_TIMEOUT, metavar="SECONDS",
+                     help="seconds a client has to send a request's headers, from connecting or from its first "
+                          f"byte (then the connection is closed; default {HEADER_TIMEOUT:g})")
+    srv.add_argument("--keep-alive", type=int, default=KEEP_ALIVE, metavar="SECONDS",
+                     help=f"seconds an idle connection is kept after a response (default {KEEP_ALIVE})")
+    srv.add_argument("--max-connections", type=int, default=MAX_CONNECTIONS, metavar="N",
+                     help=f"connections open at once; past it a new one gets 503 (default {MAX_CONNECTIONS})")
     srv.add_argument("--allowed-host", action="append", default=None, metavar="NAME",
                      help="a name clients reach the server by, for MCP's DNS-rebinding check (repeatable)")
     srv.add_argument("--verify", default=None, metavar="MODULE:FUNCTION",
@@ -305,7 +314,10 @@ def build_parser() -> argparse.ArgumentParser:
     tc.add_argument("--tenant", default="default", help="the tenant it belongs to (default: default)")
     tc.add_argument("--role", required=True, choices=["agent", "analyst", "admin"])
     tc.add_argument("--name", default=None, help="a name for it (default: made up)")
-    tl = command(tsub, "list", help="the tokens (names, tenants, roles; never the tokens)")
+    tc.add_argument("--expires", default=None, metavar="WHEN",
+                    help="when it stops working: a duration (90s, 30m, 12h, 30d, 2w) or an ISO time with its zone "
+                         "(default: never)")
+    tl = command(tsub, "list", help="the tokens (names, tenants, roles, expiries; never the tokens)")
     tl.add_argument("--tenant", default=None)
     _add_output(tl)
     tr = command(tsub, "revoke", help="remove a token")
@@ -352,10 +364,12 @@ def _token(args: argparse.Namespace, path: str) -> int:
                            f"`trellis --db {path} init` first")
     reg = Tokens(path)
     if args.action == "create":
-        secret = reg.create(args.tenant, args.role, name=args.name)
+        secret = reg.create(args.tenant, args.role, name=args.name, expires=args.expires)
         who = reg.lookup(secret)
         assert who is not None
-        print(f"token {who.name!r}: {who.role} of tenant {who.tenant!r} (shown once; keep it):", file=sys.stderr)
+        until = "" if who.expires is None else f", until {who.expires.isoformat(timespec='seconds')}"
+        print(f"token {who.name!r}: {who.role} of tenant {who.tenant!r}{until} (shown once; keep it):",
+              file=sys.stderr)
         print(secret)
     elif args.action == "list":
         rows = reg.list(args.tenant)
@@ -452,7 +466,8 @@ def _run(args: argparse.Namespace, path: str) -> int:
         print(f"serving {path} on http://{args.host}:{args.port}", file=sys.stderr, flush=True)
         verify = _hook(args.verify) if args.verify else None
         serve(path, host=args.host, port=args.port, token=args.token, allowed_hosts=args.allowed_host,
-              export_root=args.export_root, body_timeout=args.body_timeout, verify=verify)
+              export_root=args.export_root, body_timeout=args.body_timeout, verify=verify,
+              header_timeout=args.header_timeout, keep_alive=args.keep_alive, max_connections=args.max_connections)
         return 0
     if args.command == "token":
         return _token(args, path)
