@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import shutil
 import time
@@ -653,4 +654,60 @@ def test_a_file_linking_outside_the_run_is_refused(messy: Path, tmp_path: Path) 
     with trellisdb.connect(tmp_path / "db") as db:
         with pytest.raises(ImportFormatError, match=r"x\.json: a symbolic link to .*secret\.json, outside the folder"):
             import_messy(db, messy)
+        assert db.log() == []
+
+
+_LOOP = r"cannot be read: a symbolic link loop"
+
+
+@pytest.mark.parametrize(("where", "make"), [
+    ("the run folder", lambda run: (run / "loop", (run / "loop").symlink_to(run / "loop"))[0]),
+    ("checkpoints/", lambda run: (shutil.rmtree(run / "checkpoints"), (run / "checkpoints").symlink_to("checkpoints"),
+                                  run)[2]),
+    ("a checkpoint_<k> folder", lambda run: (
+        (run / "checkpoints" / "checkpoint_50").symlink_to("checkpoint_50"), run)[1]),
+    ("programs/", lambda run: (shutil.rmtree(run / "checkpoints" / "checkpoint_20" / "programs"),
+                               (run / "checkpoints" / "checkpoint_20" / "programs").symlink_to("programs"), run)[2]),
+    ("a program file", lambda run: (
+        (run / "checkpoints" / "checkpoint_20" / "programs" / "x.json").symlink_to("y.json"),
+        (run / "checkpoints" / "checkpoint_20" / "programs" / "y.json").symlink_to("x.json"), run)[2]),
+    ("metadata.json", lambda run: ((run / "checkpoints" / "checkpoint_40" / "metadata.json").symlink_to(
+        "metadata.json"), run)[1]),
+    ("best_program_info.json", lambda run: (
+        (run / "checkpoints" / "checkpoint_10" / "best_program_info.json").unlink(),
+        (run / "checkpoints" / "checkpoint_10" / "best_program_info.json").symlink_to("best_program_info.json"),
+        run)[2]),
+])
+def test_a_symbolic_link_loop_is_an_import_error_naming_it(messy: Path, tmp_path: Path, where: str, make: Any) -> None:
+    """A link loop anywhere in the run (issue 35): an ImportFormatError naming the link, at the
+    call, before anything is written; not a raw OSError, not "no checkpoints", not "incomplete"."""
+    path = make(messy)
+    with trellisdb.connect(tmp_path / "db") as db:
+        with pytest.raises(ImportFormatError, match=_LOOP) as e:
+            import_messy(db, path)
+        assert db.log() == []
+    named = str(e.value).split(": cannot be read")[0]
+    assert os.path.islink(named) and not os.path.exists(named), (where, str(e.value))
+
+
+def test_a_link_to_nothing_is_named_not_passed_over(messy: Path, tmp_path: Path) -> None:
+    gone = messy / "checkpoints" / "checkpoint_20" / "programs" / "x.json"
+    gone.symlink_to(tmp_path / "deleted.json")
+    with trellisdb.connect(tmp_path / "db") as db, pytest.raises(
+            ImportFormatError, match=r"x\.json: a symbolic link to .*deleted\.json, which does not exist"):
+        import_messy(db, messy)
+
+
+@pytest.mark.parametrize(("fmt", "suffix"), [("swe-agent", ".traj"), ("jsonl", ".jsonl"), ("otel", ".json")])
+def test_other_importers_name_a_symbolic_link_loop(tmp_path: Path, fmt: str, suffix: str) -> None:
+    """The other importers refuse a looping file of the folder too, rather than passing over it
+    (swe-agent, jsonl) or saying only what the system said (otel); so does a looping path given."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / f"a{suffix}").symlink_to(f"b{suffix}")
+    (run / f"b{suffix}").symlink_to(f"a{suffix}")
+    with trellisdb.connect(tmp_path / "db") as db:
+        for path in (run, run / f"a{suffix}"):
+            with pytest.raises(ImportFormatError, match=rf"[ab]{re.escape(suffix)}: {_LOOP}"):
+                import_run(db, fmt, path, progress=False)
         assert db.log() == []

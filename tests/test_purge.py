@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import json
 import os
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
@@ -30,6 +32,7 @@ from trellisdb.database import open_local
 from trellisdb.errors import ReadOnlyError, UnknownSessionError, ValidationError
 from trellisdb.reader import PUBLIC_RELATIONS
 from trellisdb.storage import purge as storage_purge
+from trellisdb.storage.lines import encode_line
 
 SESSIONS = ("alpha", "beta")
 SHARED = "a prompt both sessions use: the bytes stay, since beta links them too"
@@ -268,18 +271,42 @@ def test_purge_by_task_and_several_sessions(two: trellisdb.Database) -> None:
 
 
 def test_lost_and_found_copies_are_filtered(two: trellisdb.Database) -> None:
-    """A repair's copies of rows (``lost+found/<time>/<table>.parquet``) lose the purged rows too."""
+    """A repair's copies of rows in ``lost+found/`` lose the purged rows too, whatever their names:
+    the table a Parquet copy holds is told by its name, else by its columns; a file of no kind a
+    purge can filter is removed, and the audit commit says so."""
     folder = Path(two.path) / "lost+found" / "20260101T000000Z"
-    folder.mkdir(parents=True)
+    (folder / "partial").mkdir(parents=True)
     nodes = two.sql("SELECT * EXCLUDE (seq) FROM nodes_full_history ORDER BY id").to_arrow()
     pq.write_table(nodes, folder / "nodes.parquet")
     pq.write_table(nodes.filter(pc.equal(nodes["session_id"], "s1")), folder / "sessions_only_s1.parquet")
     pq.write_table(two.sql("SELECT * FROM rewards_history WHERE node_id = 's1-n'").to_arrow(), folder / "rewards.parquet")
+    pq.write_table(two.sql("SELECT * FROM rewards_history").to_arrow(), folder / "partial" / "rewards.17.parquet")
+    pq.write_table(two.sql("SELECT id FROM tasks").to_arrow(), folder / "tasks.parquet")  # tasks stay
+    (folder / "notes.bin").write_bytes(b"\x00\x01" + mark("s1", "summary").encode())
+    (folder / "report.json").write_text(json.dumps({
+        "removed": [{"id": 5, "node": "s1-n", "rows": 2}, {"id": 6, "node": "s2-n", "rows": 1}],
+        "sessions": ["s1", "s2"], "s1": {"rows": 3}, "note": "commit 5 of session s1 (free text stays)"}))
+    record = encode_line({"op": "commit", "id": 9, "session": "s1", "time": 0.0})
+    damaged_s1 = b'{"op":"commit","id":10,"session":"s1"}\tdeadbeef\n'
+    damaged_other = b'{"op":"commit","id":11,"session":"s2"}\tdeadbeef\n'
+    (folder / "commits.log").write_bytes(record + damaged_s1 + damaged_other)
     r = two.purge("s1")
-    assert r["lost_found_rows"] == 2
+    assert json.loads((folder / "report.json").read_text()) == {
+        "removed": [{"id": 6, "node": "s2-n", "rows": 1}], "sessions": ["s2"],
+        "note": "commit 5 of session s1 (free text stays)"}
+    # the log copy keeps its records (the live log keeps them too); a damaged line naming s1 goes
+    assert (folder / "commits.log").read_bytes() == record + damaged_other
+    assert r["lost_found_rows"] == 4
     assert pq.read_table(folder / "nodes.parquet")["id"].to_pylist() == ["s2-n", "s3-n"]
     assert not (folder / "rewards.parquet").exists()  # nothing left in it
-    assert (folder / "sessions_only_s1.parquet").exists()  # not a table's copy: left alone
+    assert not (folder / "sessions_only_s1.parquet").exists()  # a copy of nodes (by its columns): all s1's
+    assert sorted(pq.read_table(folder / "partial" / "rewards.17.parquet")["node_id"].to_pylist()) == ["s2-n", "s3-n"]
+    assert pq.read_table(folder / "tasks.parquet").num_rows == 2
+    assert not (folder / "notes.bin").exists()
+    audit = json.loads(two.log()[-1]["meta"])["purge"]["lost_found"]
+    assert audit["removed"] == [{"file": "20260101T000000Z/notes.bin", "why": "not a kind a purge can filter "
+                                 "(Parquet, a WAL segment, a commit log, JSON)"}]
+    assert scan(two.path, {"s1": forms(mark("s1", "summary"))})["s1"] == []
     two.close()
 
 
@@ -358,4 +385,141 @@ def test_cli_purge_needs_yes(two: trellisdb.Database, capsys: pytest.CaptureFixt
     db = open_local(path)
     assert db.sql("SELECT count(*) AS n FROM nodes_history").to_pylist() == [{"n": 0}]
     assert [c["message"] for c in db.log()][-2:] == ["purge", "purge"]
+    db.close()
+
+
+def _step(db: trellisdb.Database, sid: str, name: str, **extra: Any) -> None:
+    """One node of session ``sid`` in its own commit (one WAL frame): every kind of row, each
+    carrying the session's markers and the node's name."""
+    w = db.resume(sid)
+    w.add_node(id=name, summary=f"{mark(sid, 'summary')} {name}-text", state=mark(sid, "state"),
+               artifacts={"response": f"{mark(sid, 'response')} {name}"}, attrs={"k": mark(sid, "node-attr")},
+               labels=[mark(sid, "label")], embedding=vec(sid, 1), **extra)
+    w.add_reward(name, "score", 0.5, verifier=mark(sid, "verifier"))
+    db.add_vectors("sp", [name], [vec(sid, 1, -1.0)])  # a vector table's rows: an Arrow IPC part of the frame
+    db.flush()
+
+
+def _flip(data: bytearray, needle: bytes, offset: int, to: bytes) -> None:
+    at = data.index(needle) + offset
+    assert data[at:at + 1] != to
+    data[at:at + 1] = to
+
+
+def _wal_copies(folder: Path) -> list[Path]:
+    return sorted(p for p in folder.rglob("wal-*.log"))
+
+
+def _copied(folder: Path, column: str) -> dict[str, str]:
+    """Per row id of the Parquet copies under ``folder`` that have ``column`` (``id`` or ``node_id``
+    first), that column's value."""
+    out = {}
+    for f in folder.rglob("*.parquet"):
+        t = pq.read_table(f)
+        key = "id" if "id" in t.column_names else "node_id"
+        if column in t.column_names and key in t.column_names:
+            out.update(zip(t[key].to_pylist(), t[column].to_pylist(), strict=True))
+    return out
+
+
+def test_purge_reaches_a_repairs_copies_of_a_damaged_wal_segment_and_of_rows(tmp_path: Path) -> None:
+    """A repair put in ``lost+found/`` the raw copy of a damaged WAL segment (frames of both
+    sessions: whole ones, ones whose rows fail their checksum but still decode, ones past decoding,
+    one whose commit record is damaged, and whole ones after it) and Parquet copies of stranded
+    rows (of a node the tables no longer hold). After the purge no file under the store holds the
+    purged session's bytes; the other session's rows in those copies remain, and the segment copy
+    still reads as one."""
+    from trellisdb.schema import table_schema
+    from trellisdb.storage.wal import Segment
+
+    path = tmp_path / "db"
+    db = open_local(path, embedding_dim=4)
+    db._committer.checkpoint_delay = 3600.0  # the frames stay in the WAL
+    db.create_space("sp", dim=4)
+    for sid in SESSIONS:
+        with db.session(task="t", id=sid, config={"secret": mark(sid, "config")}) as s:
+            s.add_node(id=f"{sid}-root", summary="root")
+    db._committer.checkpoint()
+    _step(db, "alpha", "alpha-n1")
+    _step(db, "beta", "beta-n1", parents=["alpha-root"])  # beta's edge names alpha's node: it goes
+    _step(db, "alpha", "alpha-n3")   # its rows will fail their checksum, still decoding
+    _step(db, "beta", "beta-n3")    # damaged past decoding, naming no alpha id: kept as it is
+    _step(db, "alpha", "alpha-n4")   # damaged past decoding: dropped
+    _step(db, "beta", "beta-n4")
+    _step(db, "alpha", "alpha-n5")   # its commit record damaged: the frame is no frame
+    _step(db, "beta", "beta-n5")    # a whole frame after it
+    # stranded rows (a commit no record names: its writer died before its record): repair copies them
+    # to lost+found/*.parquet
+    doomed = db._store.log.state.max_id + 1
+    stranded = {
+        "nodes": [{"id": f"{sid}-lost", "session_id": sid, "task_id": "t", "summary": f"{mark(sid, 'summary')} lost",
+                   "commit_id": doomed} for sid in SESSIONS],
+        "rewards": [{"node_id": f"{sid}-lost", "channel": "score", "value": 1.0,
+                     "verifier": mark(sid, "verifier") + "-lost", "commit_id": doomed} for sid in SESSIONS],
+    }
+    for name, rows in stranded.items():
+        db._store.tables.append(name, pa.Table.from_pylist(rows, schema=table_schema(name, 4)))
+    [seg] = [p for p in path.iterdir() if p.name.startswith("wal-")]
+    data = bytearray(seg.read_bytes())
+    _flip(data, b"alpha-n3-text", 0, b"A")               # rows still JSON, failing their checksum
+    _flip(data, b'"summary":"' + mark("beta", "summary").encode() + b" beta-n3", 0, b"#")  # JSON no more
+    _flip(data, b'"summary":"' + mark("alpha", "summary").encode() + b" alpha-n4", 0, b"#")
+    n5 = data.index(b"alpha-n5-text")
+    record_end = data.rfind(b"\n", 0, n5)
+    data[record_end - 20:record_end - 19] = b"X" if data[record_end - 20:record_end - 19] != b"X" else b"Y"
+    seg.write_bytes(bytes(data))
+
+    report = db.repair()
+    assert report["damage"] and report["lost_found"]
+    lost = Path(report["lost_found"])
+    [copy] = [c for c in _wal_copies(lost) if b"beta-n5-text" in c.read_bytes()]  # the damaged segment's copy
+    assert _copied(lost, "session_id") == {"alpha-lost": "alpha", "beta-lost": "beta"}  # Parquet copies
+    assert (lost / "report.json").is_file()
+    alpha, beta = markers("alpha"), markers("beta")
+    before = scan(str(lost), {**{f"a-{k}": v for k, v in alpha.items()}, **{f"b-{k}": v for k, v in beta.items()}})
+    assert all(before[f"{w}-{k}"] for w in "ab" for k in ("summary", "verifier", "vector", "space-vector"))
+    copy_before = copy.read_bytes()
+
+    r = db.purge("alpha")
+
+    # no file under the store holds alpha's bytes: not the tables, not the copies
+    gone = scan(str(path), alpha)
+    assert gone == {k: [] for k in gone}, gone
+    assert scan(str(path), {"lost": forms(mark("alpha", "summary") + " lost")})["lost"] == []
+    # beta's rows remain in the copies: the stranded node and reward, every frame of the segment copy
+    assert _copied(lost, "session_id") == {"beta-lost": "beta"}
+    assert _copied(lost, "channel") == {"beta-lost": "score"}  # alpha-lost's reward went: its node is only here
+    assert scan(str(lost), {"b": forms(mark("beta", "verifier") + "-lost")})["b"]
+    kept = scan(str(lost), beta)
+    assert all(kept[k] for k in ("summary", "node-attr", "label", "state", "verifier", "vector", "space-vector")), kept
+    texts = scan(str(lost), {n: forms(f"{mark(n.split('-')[0], 'response')} {n}") for n in (
+        "alpha-n1", "alpha-n3", "alpha-n4", "beta-n1", "beta-n4", "beta-n5")})  # artifacts: base64 in a frame
+    assert [n for n, found in texts.items() if found] == ["beta-n1", "beta-n4", "beta-n5"], texts
+    text = copy.read_bytes()
+    for name in ("beta-n1", "beta-n4", "beta-n5"):
+        assert f"{mark('beta', 'summary')} {name}-text".encode() in text, name
+    assert b'#summary":"' + mark("beta", "summary").encode() + b" beta-n3" in text  # damaged, naming no alpha id
+    # the copy is still a segment: its whole frames read, with beta's rows only (beta-n1's edge to alpha is gone)
+    seg_after = Segment(str(copy))
+    frames = seg_after.read()
+    rows = [(t, row) for f in frames for t, rs in f.rows().items() for row in rs]
+    # beta-n3's frame fails its checksum still; alpha's damaged record went, so beta-n5's frame reads on
+    assert {row["id"] for t, row in rows if t == "nodes"} == {"beta-n1", "beta-n4", "beta-n5"}
+    assert rows and all("alpha" not in json.dumps(row, default=str) for _, row in rows)
+    assert seg_after.problems  # the frame whose rows failed their checksum fails it still
+    from trellisdb.storage.wal import pieces  # (after the scan: the check that fails before the fix)
+
+    copy_frames = [p for p in pieces(copy_before) if p.record is not None]
+    after = [p for p in pieces(text) if p.record is not None]
+    # every commit record stays (the live log keeps them too); alpha's frames hold no rows now
+    assert [p.record["id"] for p in after] == [p.record["id"] for p in copy_frames]
+    assert all(p.parts == () for p in after if p.record["session"] == "alpha")
+    assert [p.intact for p in after] == [p.intact for p in copy_frames]
+    # the audit commit says what it did to the copies
+    lf = r["lost_found"]
+    assert lf["rows"] == r["lost_found_rows"] > 0 and lf["removed"] == []
+    assert os.path.relpath(copy, lost.parent) in {d["file"] for d in lf["dropped"]}
+    assert os.path.relpath(copy, lost.parent) in lf["rewritten"]
+    assert '"lost_found"' in db.log()[-1]["meta"]
+    assert db.verify() == []
     db.close()

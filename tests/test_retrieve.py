@@ -406,3 +406,46 @@ def test_the_adjacency_follows_commits_and_matches_a_fresh_build(tmp_path: Path,
     assert any(not r["id"].startswith("n") for r in got)  # the late nodes are reached
     fresh.close()
     db.close()
+
+
+def test_an_index_build_whose_files_a_compaction_removed_retries_on_a_fresh_version(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """The build opens the dataset, then a compaction (another process's, or this one's
+    between the build's open and its read) rewrites the fragments and removes the files that
+    version names: the build starts again on the version there now, and nothing is logged as a
+    failure. Made deterministic by compacting inside the build's first open."""
+    import datetime as dt
+
+    import lance
+
+    x = clustered(600, 8, 6, seed=4)
+    db = trellisdb.connect(tmp_path / "db", embedding_dim=4, auto_index=False)
+    ids = ingest_nodes(db, None, 600)
+    db.create_space("emb", dim=8)
+    for lo in range(0, 600, 100):  # six fragments: a compaction has something to merge
+        db.add_vectors("emb", ids[lo:lo + 100], x[lo:lo + 100])
+        db.flush()
+        db._committer.checkpoint()
+    uri = str(tmp_path / "db" / "tables" / "vec_nodes_emb.lance")
+    assert len(lance.dataset(uri).get_fragments()) == 6
+    real = vector_index.IndexMaintainer._open_fresh
+    compacted = []
+
+    def open_then_compact(self: vector_index.IndexMaintainer, table: str) -> object:
+        ds = real(self, table)
+        if table == "vec_nodes_emb" and not compacted:  # the build holds ds; its files go now
+            other = lance.dataset(uri)
+            other.optimize.compact_files(materialize_deletions=True)
+            lance.dataset(uri).cleanup_old_versions(older_than=dt.timedelta(0), delete_unverified=True)
+            compacted.append(ds.version)
+        return ds
+
+    monkeypatch.setattr(vector_index.IndexMaintainer, "_open_fresh", open_then_compact)
+    with caplog.at_level("DEBUG", logger="trellisdb"):
+        st = db.build_index("emb")
+    assert compacted and len(lance.dataset(uri).get_fragments()) == 1
+    assert st["state"] == "indexed" and st["error"] is None and st["indexed_rows"] == 600, st
+    assert not [r for r in caplog.records if r.levelname == "WARNING"], caplog.records
+    assert any("again" in r.getMessage() for r in caplog.records)  # the retry is logged, below warning
+    assert seeds(db.query("RETRIEVE 3 SIMILAR TO $q IN emb", q=x[5]))[0] == ids[5]
+    db.close()

@@ -274,3 +274,44 @@ def test_retrieve_reads_vectors_still_in_the_wal_without_a_checkpoint(tmp_path: 
     assert answers(db) == before
     assert answers(trellisdb.connect(p, read_only=True)) == before
     db.close()
+
+
+def test_pieces_reads_a_damaged_copy_whole_and_past_its_damage(tmp_path: Path) -> None:
+    """``pieces`` (a purge's reading of a repair's segment copy) covers every byte, finds every
+    frame the damage did not touch (after a damaged record line too, where ``Segment`` stops), and
+    never a frame that was not written; ``frame_bytes`` writes a frame ``Segment`` reads back."""
+    import random
+
+    from trellisdb.storage.wal import Payload, Segment, frame_bytes, pieces
+
+    seg = Segment(str(tmp_path / "wal-00000001.log"))
+    spans = []
+    for i in range(6):
+        start = seg.offset
+        rows = {"nodes": [{"id": f"n{i}-{k}", "summary": "x" * (20 * k)} for k in range(i + 1)]}
+        seg.append({"op": "commit", "id": i + 1, "time": 0.0, "meta": {"k": {"i": i}}}, Payload.of(rows))
+        spans.append((start, seg.offset))
+    data = (tmp_path / "wal-00000001.log").read_bytes()
+    assert [p.record["id"] for p in pieces(data) if p.record] == [1, 2, 3, 4, 5, 6]
+    rng = random.Random(5)
+    for _ in range(300):
+        bad = bytearray(data)
+        at = rng.randrange(len(bad))
+        bad[at] ^= 1 << rng.randrange(8)
+        got = pieces(bytes(bad))
+        assert b"".join(p.raw for p in got) == bytes(bad)
+        whole = {p.record["id"] for p in got if p.record is not None and p.intact}
+        untouched = {i + 1 for i, (a, b) in enumerate(spans) if not a <= at < b}
+        assert whole == untouched, (at, whole, untouched)
+    cut = pieces(data[: spans[3][0] + 10])  # a frame cut short at the end
+    assert [p.record["id"] for p in cut if p.record] == [1, 2, 3] and cut[-1].record is None
+    p = pieces(data)[2]
+    assert p.record is not None
+    again = frame_bytes(p.record, [(n, f, b) for n, f, b in p.parts if n != "nodes"])
+    (tmp_path / "x.log").write_bytes(again)
+    [read] = Segment(str(tmp_path / "x.log")).read()
+    assert read.id == 3 and read.rows() == {}
+    damaged = frame_bytes(p.record, p.parts, intact=False)
+    (tmp_path / "y.log").write_bytes(damaged + data[spans[3][0]:spans[3][1]])
+    s = Segment(str(tmp_path / "y.log"))
+    assert [f.id for f in s.read()] == [4] and s.problems  # a damaged frame stays damaged

@@ -80,13 +80,56 @@ _RESERVED_HINT = ("names starting 'trellis:' belong to trellisdb (quarantine a n
                   "reason=...), release it with db.release(ids))")
 
 
-def utf8_problem(value: str) -> str | None:
-    """Why ``value`` cannot be written as UTF-8 (None: it can)."""
+def surrogate_at(value: str) -> int | None:
+    """Where the first character of ``value`` that UTF-8 cannot hold (a lone surrogate) is; None
+    when there is none."""
     try:
         value.encode("utf-8")
     except UnicodeEncodeError as e:
-        return f"a lone surrogate at position {e.start}: U+{ord(value[e.start]):04X}"
+        return int(e.start)
     return None
+
+
+def utf8_problem(value: str) -> str | None:
+    """Why ``value`` cannot be written as UTF-8 (None: it can)."""
+    at = surrogate_at(value)
+    return None if at is None else f"a lone surrogate at position {at}: U+{ord(value[at]):04X}"
+
+
+def value_problem(value: object) -> str | None:
+    """Why a caller's value (a query parameter: a string, or strings inside lists, tuples and
+    dicts, keys included) cannot be handed on as UTF-8, naming where; None when it can.
+
+    >>> value_problem(["ok", {"k": 3}]) is None
+    True
+    >>> value_problem(["ok", {"k": "x" + chr(0xD800)}])
+    "[1]['k']: a lone surrogate at position 1: U+D800"
+    """
+    stack: list[tuple[str, object]] = [("", value)]
+    while stack:
+        where, v = stack.pop()
+        if isinstance(v, str):
+            problem = utf8_problem(v)
+            if problem:
+                return f"{where}: {problem}" if where else problem
+        elif isinstance(v, list | tuple):
+            stack.extend((f"{where}[{i}]", x) for i, x in reversed(list(enumerate(v))))
+        elif isinstance(v, dict):
+            for k, x in reversed(list(v.items())):
+                if isinstance(k, str) and (problem := utf8_problem(k)):
+                    return f"{where + ': ' if where else ''}the key '{printable(k)}': {problem}"
+                stack.append((f"{where}[{k!r}]", x))
+    return None
+
+
+def printable(value: str) -> str:
+    """``value`` as a message can hold it: what UTF-8 cannot hold (a lone surrogate) written as its
+    escape, ``\\ud800``; any other text as it is.
+
+    >>> print(printable("a" + chr(0xD800) + "b"))
+    a\\ud800b
+    """
+    return value if surrogate_at(value) is None else value.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def check_text(value: object, what: str, *, optional: bool = True) -> str | None:

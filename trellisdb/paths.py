@@ -13,6 +13,13 @@ An export writes one folder. Three rules keep it from damaging anything else:
   that a previous export wrote (it carries that export's ``manifest.json``),
   never a file, a link or any other folder.
 
+A path the file system cannot hold is refused before anything is written (``check_length``):
+a name longer than the folder's file system allows (``NAME_MAX``, 255 bytes on most), a path
+longer than ``PATH_MAX`` (4,095 bytes), or more than :data:`MAX_DEPTH` folders deep. Should the
+file system still refuse a name (``ENAMETOOLONG``, a link loop, a file where a folder must be),
+``path_error`` turns that into an ``ExportError`` too: the caller's path, never the server's
+fault.
+
     >>> import os, tempfile
     >>> store = tempfile.mkdtemp()
     >>> confined(os.path.join(store, "exports"), store, "pairs/v1") == os.path.join(
@@ -22,10 +29,15 @@ An export writes one folder. Three rules keep it from damaging anything else:
     Traceback (most recent call last):
     ...
     trellisdb.errors.ExportError: export path '../tables' must stay inside the export root: no '..' (write a path such as 'pairs' or 'runs/pairs')
+    >>> confined(os.path.join(store, "exports"), store, "x" * 5000)
+    Traceback (most recent call last):
+    ...
+    trellisdb.errors.ExportError: export path 'xxxxxxxxxxxxxxxxxxxxxxxx'...'xxxxxxxxxxxxxxxxxxxxxxxx' (5000 characters): the name 'xxxxxxxxxxxxxxxxxxxxxxxx'... is 5000 bytes long; a name is at most 255 bytes here: choose a shorter one
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 
@@ -33,6 +45,16 @@ from trellisdb.errors import ExportError, ValidationError
 from trellisdb.names import check_text
 
 MANIFEST = "manifest.json"
+#: The longest path and folder name, in bytes, where the file system does not say (``os.pathconf``):
+#: Linux's ``PATH_MAX`` (4,096 with the final NUL) and ``NAME_MAX``.
+PATH_MAX_BYTES = 4095
+NAME_MAX_BYTES = 255
+#: The most folders an export path may go through (from the file system's root): far above any
+#: real layout, and below what creating the folders one by one can take.
+MAX_DEPTH = 128
+#: What the file system says about a path that cannot be (a name or path too long, a link loop, a
+#: file where a folder must be): the caller's path, reported as an ``ExportError``.
+PATH_ERRNOS = frozenset({errno.ENAMETOOLONG, errno.ELOOP, errno.ENOTDIR, errno.EEXIST, errno.EISDIR})
 #: Keys every export manifest has (manifests before ``trellisdb_export`` was written carry these).
 _MANIFEST_KEYS = {"view", "format", "commit", "files"}
 
@@ -90,13 +112,68 @@ def confined(root: str, store: str, path: object) -> str:
     parts = [p for p in parts if p not in ("", ".")]
     if not parts:
         raise ExportError(f"export path {path!r} names the export root itself {hint}")
+    if len(parts) > MAX_DEPTH:
+        raise ExportError(f"export path {_short(path)} goes {len(parts)} folders deep; at most {MAX_DEPTH} {hint}")
     real_root = os.path.realpath(root)
     target = os.path.join(real_root, *parts)
+    check_length(path, target)  # before any file system call on it: those fail on a name too long
     # a symbolic link on the way (or as the folder itself) must not lead out of the root
     if not _inside(os.path.realpath(os.path.dirname(target)), real_root) or os.path.islink(target):
         raise ExportError(f"export path {path!r} leads out of the export root {root!r} through a symbolic link")
     check_target(store, target)
     return target
+
+
+def _short(path: str) -> str:
+    """``path`` for a message: a long one cut in the middle (its start and its end), with its length."""
+    return repr(path) if len(path) <= 160 else f"{path[:24]!r}...{path[-24:]!r} ({len(path)} characters)"
+
+
+def _limit(folder: str, name: str, default: int) -> int:
+    """The file system's ``pathconf`` limit ``name`` for the nearest existing folder of ``folder``."""
+    while folder and not os.path.isdir(folder):
+        up = os.path.dirname(folder)
+        if up == folder:
+            break
+        folder = up
+    try:
+        got = os.pathconf(folder or os.sep, name)
+    except (OSError, ValueError, AttributeError):  # not on every platform or file system
+        return default
+    return got if got > 0 else default
+
+
+def check_length(path: str, target: str) -> None:
+    """Refuse an export ``target`` (absolute, written for the caller's ``path``) that the file
+    system cannot hold: a folder name over ``NAME_MAX`` bytes, the whole over ``PATH_MAX``, or
+    deeper than :data:`MAX_DEPTH` (``ExportError``, naming the part)."""
+    hint = "choose a shorter one"
+    names = [p for p in target.split(os.sep) if p]
+    if len(names) > MAX_DEPTH:
+        raise ExportError(f"export path {_short(path)} is {len(names)} folders deep; at most {MAX_DEPTH}: {hint}")
+    parent = os.path.dirname(target)
+    most_name = _limit(parent, "PC_NAME_MAX", NAME_MAX_BYTES)
+    for name in names:
+        n = len(name.encode("utf-8", "surrogateescape"))
+        if n > most_name:
+            cut = repr(name) if len(name) <= 24 else f"{name[:24]!r}..."
+            raise ExportError(f"export path {_short(path)}: the name {cut} is {n} bytes long; a name is at most "
+                              f"{most_name} bytes here: {hint}")
+    most_path = min(PATH_MAX_BYTES, _limit(parent, "PC_PATH_MAX", PATH_MAX_BYTES + 1) - 1)
+    n = len(target.encode("utf-8", "surrogateescape"))
+    if n > most_path:
+        raise ExportError(f"export path {_short(path)} makes a path {n} bytes long; a path is at most {most_path} "
+                          f"bytes here: {hint}")
+
+
+def path_error(path: object, e: OSError) -> ExportError | None:
+    """The ``ExportError`` for what the file system said writing the export at ``path``, when it
+    is about the path itself (:data:`PATH_ERRNOS`); None for anything else (a full disk, a
+    permission), which is the host's to mend."""
+    if e.errno not in PATH_ERRNOS:
+        return None
+    shown = _short(path) if isinstance(path, str) else repr(path)
+    return ExportError(f"export path {shown} cannot be written there ({e.strerror or e}); choose another path")
 
 
 def check_target(store: str, target: str) -> None:

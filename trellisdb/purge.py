@@ -24,14 +24,19 @@ vec_nodes_<name>  ``id`` in N (every named space of nodes)
 
 Tasks stay (their rows, attributes and vectors), ``purge(task=...)`` included: a task is what
 was being solved, the sessions' data is what goes. Commit records stay too (the log is the
-record of which commits exist): their ids, times, writers, session ids, messages and meta.
+record of which commits exist): their ids, times, writers, session ids, messages and meta;
+so do the commit records in a repair's copies (of the log, and the frame records of WAL
+segment copies), for the same reason. N includes the nodes of S that only a repair's copies in
+``lost+found/`` still hold, and their artifacts count as linked.
 
 The steps, under the writer lock, with no index build running (``ARCHITECTURE.md``, "Purge"):
 
 1. the WAL is checkpointed into Lance and its old segments removed: no frame holds a row;
 2. ``{"op": "purge-begin", "sessions": S}`` is logged (``storage/log.py``);
 3. exports under ``<db>/exports`` and the handle's export root whose ``provenance.parquet``
-   names a node of N are removed, and the rows are filtered out of ``lost+found/`` copies;
+   names a node of N are removed, and the rows go from every copy in ``lost+found/``, by kind
+   (``storage/lost_found.py``: Parquet, WAL segments, commit-log copies, JSON; a file of no kind
+   it can filter is removed, and the audit commit's ``lost_found`` says so);
 4. each table's rows are taken out (``storage/purge.py``: each fragment holding one is
    rewritten), dependents first (artifacts, vectors, rewards, comparisons, labels, attributes,
    edges, node_artifacts, nodes, sessions), so that a purge run again after a crash still
@@ -45,7 +50,7 @@ The steps, under the writer lock, with no index build running (``ARCHITECTURE.md
 8. every Lance version but the latest, of every table and view, is removed at once, with the
    files no version names;
 9. the audit commit: message ``purge``, meta ``{"purge": {"sessions": S, "rows": {table: n},
-   ...}}``, appended to the commit log itself; its ``"purge": true`` makes every reader, in
+   "lost_found": {"rows", "rewritten", "removed", "dropped"}, ...}}``, appended to the commit log itself; its ``"purge": true`` makes every reader, in
    this process or another, drop what it mirrored before its next query.
 
 A crash leaves every table as it was or rewritten (each Lance commit is atomic), files no
@@ -61,7 +66,7 @@ import json
 import logging
 import os
 import shutil
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
@@ -72,7 +77,8 @@ import pyarrow.parquet as pq
 from trellisdb.errors import CorruptionError, TrellisError, UnknownSessionError, ValidationError
 from trellisdb.names import check_name, did_you_mean
 from trellisdb.paths import MANIFEST
-from trellisdb.storage.purge import Drop, filter_parquet, matching, prune, remove_rows
+from trellisdb.storage.lost_found import copied_ids, purge_copies
+from trellisdb.storage.purge import Drop, matching, prune, remove_rows
 from trellisdb.storage.recovery import LOST_FOUND
 from trellisdb.training.files import VIEWS_DIR
 from trellisdb.vectors.index import rebuild_indexes
@@ -221,15 +227,25 @@ def _remove(store: Store, committer: Committer, vectors: Vectors, views: ViewSto
     table and before rebuilding them, and then no row is left to say so."""
     t = store.tables
     s = pa.array(sessions, pa.string())
-    nodes = pc.unique(matching(t, "nodes", ["id", "session_id"], lambda r: _in(r["session_id"], s))["id"])
-    linked = pc.unique(matching(t, "node_artifacts", ["node_id", "hash"], lambda r: _in(r["node_id"], nodes))["hash"])
-    shared = pc.unique(matching(t, "node_artifacts", ["node_id", "hash"], lambda r: pc.and_kleene(
-        _in(r["hash"], linked), pc.invert(_in(r["node_id"], nodes))))["hash"])
+    lost_found = os.path.join(store.path, LOST_FOUND)
+    # a repair's copies may hold nodes (and links) the tables no longer do: they are the sessions' too
+    copied_nodes, copied_links = copied_ids(lost_found, sessions)
+    live = matching(t, "nodes", ["id", "session_id"], lambda r: _in(r["session_id"], s))["id"]
+    nodes = pa.array(sorted(set(live.to_pylist()) | copied_nodes), pa.string())
+    named = {n for n in nodes.to_pylist() if n is not None}
+    linked = pc.unique(pa.concat_arrays([
+        pc.unique(matching(t, "node_artifacts", ["node_id", "hash"], lambda r: _in(r["node_id"], nodes))["hash"]),
+        pa.array(sorted({h for n, h in copied_links if n in named}), pa.string())]))
+    shared = pc.unique(pa.concat_arrays([
+        pc.unique(matching(t, "node_artifacts", ["node_id", "hash"], lambda r: pc.and_kleene(
+            _in(r["hash"], linked), pc.invert(_in(r["node_id"], nodes))))["hash"]),
+        pa.array(sorted({h for n, h in copied_links if n not in named} & set(linked.to_pylist())), pa.string())]))
     hashes = linked.filter(pc.invert(_in(linked, shared)))
     vector_tables = [sp.table for sp in store.spaces.all() if sp.target == "nodes" and not sp.builtin]
     rules = drops(s, nodes, hashes, vector_tables)
     exports = _exports(store.path, export_roots, nodes)  # 3.
-    lost = _lost_found(store.path, rules)
+    ids = {*sessions, *named, *(h for h in hashes.to_pylist() if h is not None)}
+    lost = purge_copies(lost_found, _rule_of(rules, nodes), ids)
     rows: dict[str, int] = {}
     rewritten: list[str] = []
     for name in order(vector_tables):  # 4.
@@ -250,7 +266,7 @@ def _remove(store: Store, committer: Committer, vectors: Vectors, views: ViewSto
     report: dict[str, Any] = {
         "sessions": sessions, **({"task": task} if task is not None else {}), "rows": rows,
         "shared_artifacts": len(shared), "indexes": indexes, "views_rebuilt": rebuilt, "views_cleared": cleared,
-        "exports_removed": len(exports), "lost_found_rows": lost,
+        "exports_removed": len(exports), "lost_found_rows": lost["rows"], "lost_found": lost,
     }
     cid = committer.end_purge({"purge": report})  # 9.
     store.engine.saw_purge(cid)
@@ -319,15 +335,15 @@ def _ours(folder: str, store_path: str) -> bool:
     return isinstance(m, dict) and os.path.realpath(str(m.get("database"))) == os.path.realpath(store_path)
 
 
-def _lost_found(store_path: str, rules: dict[str, tuple[list[str], Drop]]) -> int:
-    """Filter the purged rows out of a repair's copies of tables (``lost+found/*/<table>.parquet``)."""
-    n = 0
-    for folder, _, files in os.walk(os.path.join(store_path, LOST_FOUND)):
-        for f in files:
-            name = f.removesuffix(".parquet")
-            if f.endswith(".parquet") and name in rules:
-                n += filter_parquet(os.path.join(folder, f), rules[name][1])
-    return n
+def _rule_of(rules: dict[str, tuple[list[str], Drop]], nodes: pa.Array) -> Callable[[str], tuple[list[str], Drop] | None]:
+    """Which rows of a table a copy in ``lost+found/`` loses: the table's rule, and for the table
+    of a space of nodes no longer named (a copy outlives a dropped space) the nodes' vectors'."""
+    vectors: tuple[list[str], Drop] = (["id"], lambda r: _in(r["id"], nodes))
+
+    def rule_of(table: str) -> tuple[list[str], Drop] | None:
+        got = rules.get(table)
+        return vectors if got is None and table.startswith("vec_nodes_") else got
+    return rule_of
 
 
 def _views(views: ViewStore) -> tuple[list[str], list[str]]:

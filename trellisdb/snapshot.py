@@ -176,6 +176,7 @@ class Snapshot:
         """A caller's SQL over the snapshot: one read-only query over the public views, checked
         like ``db.sql`` (``trellisdb/usersql.py``); values go in ``params``."""
         usersql.check(text, PUBLIC_RELATIONS)
+        usersql.check_params(params)
         return Result(self.execute(text, params), sql=text)
 
     def execute(

@@ -27,13 +27,13 @@ from __future__ import annotations
 
 import json
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import duckdb
 
 from trellisdb.errors import QueryError
-from trellisdb.names import utf8_problem
+from trellisdb.names import printable, utf8_problem, value_problem
 
 #: The longest SQL text accepted (no hand-written query needs more).
 MAX_SQL_CHARS = 1_000_000
@@ -65,6 +65,21 @@ def check(text: object, public: frozenset[str]) -> None:
             if len(_ACCEPTED) >= _ACCEPTED_MAX:
                 _ACCEPTED.pop(next(iter(_ACCEPTED)), None)  # the oldest
             _ACCEPTED[(text, public)] = None
+
+
+def check_params(params: object) -> None:
+    """Raise ``QueryError`` for a parameter value DuckDB cannot take: text that is not valid UTF-8
+    (a lone surrogate, anywhere in a list or struct value), naming the parameter."""
+    if isinstance(params, Mapping):
+        items: list[tuple[str, object]] = [(f"${k}", v) for k, v in params.items()]
+    elif isinstance(params, Sequence) and not isinstance(params, str | bytes | bytearray):
+        items = [(f"${i}", v) for i, v in enumerate(params, 1)]
+    else:
+        return  # not parameters at all: DuckDB says so
+    for name, v in items:
+        problem = value_problem(v)
+        if problem:
+            raise QueryError(f"parameter {printable(name)} is not valid UTF-8 text ({problem}); pass text UTF-8 can hold")
 
 
 def _check(text: object, public: frozenset[str]) -> None:

@@ -4,13 +4,18 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 
 import trellisdb
 from trellisdb.cli import main
+from trellisdb.client import RemoteDatabase
+
+from ..serving import free_port, start, stop
 
 
 @pytest.fixture
@@ -162,3 +167,62 @@ def test_cli_export_is_confined(v: trellisdb.Database, tmp_path: Path, capsys: p
     assert (Path(v.path) / "exports" / "cli" / "train.jsonl").is_file()
     assert main([*db, "--export-root", str(tmp_path / "r"), "export", "v", "cli"]) == 0
     assert (tmp_path / "r" / "cli" / "train.jsonl").is_file()
+
+
+#: Paths no file system holds (issue 35): a 5,000-character name, 2,500 folders, a path over
+#: PATH_MAX, a name one byte over NAME_MAX (in UTF-8 bytes: 128 two-byte letters).
+TOO_LONG = {"name 5000": "x" * 5000, "2500 folders": "a/" * 2500, "path 5025": ("b" * 200 + "/") * 25,
+            "name 256": "c" * 256, "name 256 bytes": "é" * 128}
+
+
+@pytest.mark.parametrize("path", list(TOO_LONG.values()), ids=list(TOO_LONG))
+def test_a_path_too_long_is_an_export_error_at_every_door(v: trellisdb.Database, tmp_path: Path, path: str,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    """An ExportError saying which limit, before anything is written: not an OSError
+    (ENAMETOOLONG) or a RecursionError from creating the folders, which the server answered 500."""
+    before = _store_files(v)
+    want = r"bytes long|folders deep"
+    with pytest.raises(trellisdb.ExportError, match=want):
+        v.query("EXPORT v TO $p", p=path)
+    with pytest.raises(trellisdb.ExportError, match=want):
+        v.export_target(path)
+    with pytest.raises(trellisdb.ExportError, match=want):  # the embedded API takes any path
+        v.export("v", str(tmp_path / path))
+    assert _store_files(v) == before and sorted(os.listdir(tmp_path)) == ["db"]
+    v.close()
+    assert main(["--db", v.path, "export", "v", path]) == 1
+    assert re.search(want, capsys.readouterr().err)
+
+
+def test_a_name_as_long_as_the_file_system_allows_exports_and_is_replaced(v: trellisdb.Database) -> None:
+    name = "n" * 255  # NAME_MAX: the export's own name; its temporary and old copies have short names
+    assert v.query("EXPORT v TO $p", p=name).to_pylist()[0]["rows"] == 2
+    assert v.query("EXPORT v TO $p WITH overwrite = true", p=name).to_pylist()[0]["rows"] == 2
+    assert sorted(os.listdir(Path(v.path) / "exports")) == [name]
+
+
+def test_a_file_where_a_folder_must_be_is_an_export_error(v: trellisdb.Database) -> None:
+    (Path(v.path) / "exports").mkdir(exist_ok=True)
+    (Path(v.path) / "exports" / "afile").write_text("x")
+    with pytest.raises(trellisdb.ExportError, match=r"afile/sub' cannot be written there \(File exists\)"):
+        v.query("EXPORT v TO 'afile/sub'")
+
+
+def test_the_server_answers_400_for_a_path_too_long(v: trellisdb.Database) -> None:
+    """Over HTTP, TQL and the remote export: HTTP 400 with the ExportError (was 500), and the
+    server keeps serving."""
+    v.close()
+    port = free_port()
+    proc = start(Path(v.path), port, "tok")
+    try:
+        url, h = f"http://127.0.0.1:{port}", {"authorization": "Bearer tok"}
+        for path in TOO_LONG.values():
+            r = httpx.post(f"{url}/v1/query", json={"tql": "EXPORT v TO $p", "params": {"p": path}}, headers=h)
+            assert r.status_code == 400 and r.json()["error"] == "ExportError", r.text[:300]
+            assert re.search(r"bytes long|folders deep", r.json()["message"])
+        with RemoteDatabase(url, token="tok") as db:
+            with pytest.raises(trellisdb.ExportError, match="bytes long"):
+                db.export("v", "x" * 5000)
+            assert db.query("EXPORT v TO 'fine'").to_pylist()[0]["rows"] == 2
+    finally:
+        stop(proc)

@@ -8,11 +8,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pyarrow as pa
 import pytest
 
 import trellisdb
 from trellisdb.names import MAX_NAME_BYTES
+
+from ..serving import free_port, start, stop
 
 BAD = {
     "lone surrogate": "\ud800",
@@ -153,3 +156,83 @@ def test_names_in_bulk_ingest_are_checked_vectorized(db: trellisdb.Database) -> 
     with pytest.raises(trellisdb.ValidationError, match="UTF-8"):
         db.ingest({"tasks": pa.table({"id": invalid})})
     assert db.sql("SELECT count(*) AS n FROM nodes_history").to_pylist() == [{"n": 2}]
+
+
+SURROGATE = "\ud800"
+
+#: Every door by which a caller's string reaches DuckDB or Arrow in a read (issue 35): TQL
+#: literals, TQL parameters (the in-memory lineage walk too), db.sql parameters (nested ones too).
+_READS: dict[str, tuple[str, dict[str, Any]]] = {
+    "SUBTREE literal": (f"SUBTREE OF '{SURROGATE}'", {}),
+    "LINEAGE $param": ("LINEAGE OF $x ANCESTORS", {"x": SURROGATE}),
+    "PATH $param": ("PATH FROM 'n1' TO $x", {"x": SURROGATE}),
+    "WHERE literal": (f"NODES WHERE summary = 'ab{SURROGATE}cd' RETURN id", {}),
+    "WHERE $param": ("NODES WHERE id = $x RETURN id", {"x": "n" + SURROGATE}),
+    "MATCHING literal": (f"RETRIEVE 3 MATCHING '{SURROGATE}' RETURN id", {}),
+    "has_label literal": (f"NODES WHERE has_label('{SURROGATE}')", {}),
+    "a name": (f"NODES WHERE {SURROGATE} = 1", {}),
+    "a comment": (f"NODES -- {SURROGATE}\nRETURN id", {}),
+}
+
+
+def _encodable(e: BaseException) -> str:
+    text = str(e)
+    text.encode("utf-8")  # a message a server can send: the surrogate shown escaped, if at all
+    return text
+
+
+@pytest.mark.parametrize("door", list(_READS))
+def test_a_lone_surrogate_in_a_query_is_a_clear_error_at_the_call(db: trellisdb.Database, door: str) -> None:
+    text, params = _READS[door]
+    for _ in range(2):  # the second time, with the lineage adjacency warm (its walk is in memory)
+        with pytest.raises(trellisdb.QueryError) as e:
+            db.query(text, **params)
+        msg = _encodable(e.value)
+        assert "not valid UTF-8" in msg and "DuckDB" not in msg, msg
+        if params:  # a parameter: named, with its place in the text
+            assert e.value.span is not None and msg.startswith("parameter $x (line 1, column"), msg
+        else:  # in the text: a syntax error pointing at the surrogate, with a caret excerpt
+            assert isinstance(e.value, trellisdb.QuerySyntaxError) and e.value.span is not None
+            assert e.value.query is not None and e.value.query[e.value.span.start] == SURROGATE
+            assert "\\ud800" in msg and "^" in msg
+        db.query("LINEAGE OF 'n2' ANCESTORS")
+
+
+@pytest.mark.parametrize("params", [{"x": SURROGATE}, [SURROGATE], [[SURROGATE]], {"x": {"k": SURROGATE}},
+                                    {"x": {SURROGATE: 1}}])
+def test_a_lone_surrogate_in_a_sql_parameter_is_a_clear_error(db: trellisdb.Database, params: Any) -> None:
+    text = "SELECT $x AS v" if isinstance(params, dict) else "SELECT $1 AS v"
+    with pytest.raises(trellisdb.QueryError, match=r"parameter \$(x|1) is not valid UTF-8 text") as e:
+        db.sql(text, params=params)
+    assert "DuckDB" not in _encodable(e.value) and "Conversion" not in str(e.value)
+    with pytest.raises(trellisdb.QueryError, match="not valid UTF-8"):
+        db.snapshot().sql(text, params)
+
+
+def test_a_lone_surrogate_in_a_parameter_name_is_named_escaped(db: trellisdb.Database) -> None:
+    with pytest.raises(trellisdb.QueryError, match=r"\$\\ud800 given but not used") as e:
+        db.query("NODES", **{SURROGATE: 1})
+    _encodable(e.value)
+
+
+def test_a_lone_surrogate_over_http_is_a_400_naming_it(db: trellisdb.Database) -> None:
+    """JSON escapes a lone surrogate (``"\\ud800"``): over the server, TQL text, TQL parameters and
+    SQL parameters get HTTP 400 with the error, not a 500 from a message no response can encode."""
+    db.close()
+    port = free_port()
+    proc = start(Path(db.path), port, "tok")
+    try:
+        url, h = f"http://127.0.0.1:{port}", {"authorization": "Bearer tok", "content-type": "application/json"}
+        bodies = {
+            "/v1/query": ['{"tql": "SUBTREE OF \'\\ud800\'"}', '{"tql": "LINEAGE OF $x ANCESTORS", "params": {"x": "\\ud800"}}'],
+            "/v1/sql": ['{"sql": "SELECT $1 AS v", "params": ["\\ud800"]}'],
+        }
+        for route, texts in bodies.items():
+            for body in texts:
+                r = httpx.post(f"{url}{route}", content=body.encode(), headers=h)
+                assert r.status_code == 400, (route, body, r.status_code, r.text[:300])
+                assert r.json()["error"] in ("QueryError", "QuerySyntaxError") and "not valid UTF-8" in r.json()["message"]
+        r = httpx.post(f"{url}/v1/query", json={"tql": "NODES RETURN id"}, headers=h)
+        assert r.status_code == 200 and len(r.json()["rows"]) == 2
+    finally:
+        stop(proc)

@@ -18,7 +18,7 @@ import os
 from typing import TYPE_CHECKING, Any
 
 from trellisdb.errors import ValidationError
-from trellisdb.importers.units import ImportReport
+from trellisdb.importers.units import ImportReport, broken_link
 from trellisdb.names import did_you_mean
 
 if TYPE_CHECKING:
@@ -48,6 +48,9 @@ def import_run(db: Database, format: str, path: str | os.PathLike[str], *, progr
     reader = importlib.import_module(FORMATS[format])
     source = os.fspath(path)
     if not os.path.exists(source):
+        bad = broken_link(source)  # a link loop, or a link to nothing
+        if bad is not None:
+            raise bad
         raise ValidationError(f"{source} does not exist; give the folder or file the run was written to")
     return commit_units(db, format, reader.source_name(source, **options), reader.units(source, **options),
                         progress=progress)

@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from trellisdb.errors import ImportFormatError, ValidationError
-from trellisdb.importers.units import Unit, inside, outside_error
+from trellisdb.importers.units import Unit, inside, listed_file, outside_error, unreadable
 from trellisdb.names import check_name, check_text, did_you_mean
 from trellisdb.rules import (
     ATTRIBUTE_SCOPES,
@@ -504,7 +504,7 @@ def _file_units(file: str, name: str, prefix: str) -> Iterator[Unit]:
     try:
         fh = open(file, "rb")  # noqa: SIM115 (closed below)
     except OSError as e:
-        raise ImportFormatError(f"{file}: cannot be read ({e.strerror})") from None
+        raise unreadable(file, e) from None
     with fh:
         first = True
         for n, raw in enumerate(fh, 1):
@@ -586,7 +586,7 @@ def _files(path: str) -> list[tuple[str, str]]:
     if not os.path.isdir(path):
         raise ImportFormatError(f"{path}: neither a .jsonl file nor a folder of them")
     root = Path(path)
-    found = sorted((p.relative_to(root).as_posix(), str(p)) for p in root.rglob("*.jsonl") if p.is_file())
+    found = sorted((p.relative_to(root).as_posix(), str(p)) for p in root.rglob("*.jsonl") if listed_file(str(p)))
     if not found:
         raise ImportFormatError(f"{path}: no .jsonl files in this folder or below")
     for _, f in found:

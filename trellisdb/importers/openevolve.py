@@ -36,7 +36,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from trellisdb.errors import ImportFormatError, TrellisWarning, ValidationError
-from trellisdb.importers.units import SURROGATE_ESCAPE_BYTES, Unit, inside, json_path, lone_surrogate, outside_error
+from trellisdb.importers.units import (
+    SURROGATE_ESCAPE_BYTES,
+    Unit,
+    broken_link,
+    inside,
+    json_path,
+    lone_surrogate,
+    outside_error,
+    unreadable,
+)
 from trellisdb.names import check_name, did_you_mean
 from trellisdb.rules import INT64_MAX
 
@@ -91,15 +100,30 @@ class _Layout:
 def _checkpoint_dirs(folder: str) -> list[tuple[int, str]]:
     """The ``checkpoint_<k>`` sub-folders of ``folder``, ascending by k (anything else is ignored)."""
     out = []
-    with os.scandir(folder) as it:
-        for e in it:
-            m = _CHECKPOINT.fullmatch(e.name)
-            if m and e.is_dir():
-                out.append((int(m.group(1)), e.path))
+    try:
+        it = os.scandir(folder)
+    except OSError as e:
+        raise unreadable(folder, e) from None
+    with it:
+        for entry in it:
+            m = _CHECKPOINT.fullmatch(entry.name)
+            if not m:
+                continue
+            try:
+                is_dir = entry.is_dir()
+            except OSError as e:  # a link loop
+                raise unreadable(entry.path, e) from None
+            if is_dir:
+                out.append((int(m.group(1)), entry.path))
+            elif (bad := broken_link(entry.path)) is not None:
+                raise bad
     return sorted(out)
 
 
 def _layout(path: str) -> _Layout:
+    for link in (path, os.path.join(path, "checkpoints")):  # a loop or a link to nothing: not "no checkpoints"
+        if (bad := broken_link(link)) is not None:
+            raise bad
     p = os.path.realpath(path)
     if not os.path.isdir(p):
         raise ImportFormatError(f"{path}: an OpenEvolve run is a folder (the output folder holding checkpoints/, "
@@ -168,7 +192,7 @@ def _read_json(where: str) -> Any:
         with open(where, "rb") as f:
             data = f.read()
     except OSError as e:
-        raise ImportFormatError(f"{where}: cannot be read ({e.strerror})") from None
+        raise unreadable(where, e) from None
     return _parse(data, where)
 
 
@@ -490,11 +514,23 @@ def _program_files(ckpt: str) -> dict[str, str]:
     try:
         it = os.scandir(folder)
     except (FileNotFoundError, NotADirectoryError):
+        if (bad := broken_link(folder)) is not None:
+            raise bad from None
         return out
+    except OSError as e:  # a link loop
+        raise unreadable(folder, e) from None
     with it:
-        for e in it:
-            if e.name.endswith(".json") and not e.name.startswith(".") and len(e.name) > 5 and e.is_file():
-                out[e.name[:-5]] = e.path
+        for entry in it:
+            if not (entry.name.endswith(".json") and not entry.name.startswith(".") and len(entry.name) > 5):
+                continue
+            try:
+                is_file = entry.is_file()
+            except OSError as e:  # a link loop
+                raise unreadable(entry.path, e) from None
+            if is_file:
+                out[entry.name[:-5]] = entry.path
+            elif (bad := broken_link(entry.path)) is not None:
+                raise bad
     return dict(sorted(out.items()))
 
 
@@ -516,6 +552,8 @@ def units(path: str, **options: Any) -> Iterator[Unit]:
     if not ckpts:
         raise ImportFormatError(f"{path}: the checkpoints folder holds no checkpoint_<k> folder")
     last_k, last = ckpts[-1]
+    if (bad := broken_link(os.path.join(last, "metadata.json"))) is not None:  # a loop is not "being written"
+        raise bad
     if not os.path.exists(os.path.join(last, "metadata.json")):
         if layout.single:
             raise ImportFormatError(f"{os.path.join(last, 'metadata.json')}: missing; the checkpoint is incomplete "
@@ -529,6 +567,8 @@ def units(path: str, **options: Any) -> Iterator[Unit]:
     files = {k: _program_files(d) for k, d in ckpts}
     for k, d in ckpts:  # a file that links outside the folder given is not read
         for f in (os.path.join(d, "metadata.json"), os.path.join(d, "best_program_info.json"), *files[k].values()):
+            if (bad := broken_link(f)) is not None:  # a loop, or a link to nothing: not a missing file
+                raise bad
             if os.path.lexists(f) and not inside(f, layout.source):
                 raise outside_error(f, layout.source)
     anywhere = {pid for fs in files.values() for pid in fs}
@@ -576,7 +616,7 @@ def _unit(run: _Run, k: int, folder: str, files: dict[str, str], anywhere: set[s
             with open(where, "rb") as f:
                 data = f.read()
         except OSError as e:
-            raise ImportFormatError(f"{where}: cannot be read ({e.strerror})") from None
+            raise unreadable(where, e) from None
         copies[pid] = data
         if run.copies.get(pid) == data:  # the previous checkpoint's file, byte for byte: nothing to parse
             continue

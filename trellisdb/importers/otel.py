@@ -43,7 +43,16 @@ from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
 from trellisdb.errors import ImportFormatError, ValidationError
-from trellisdb.importers.units import SURROGATE_ESCAPE, Unit, inside, json_path, lone_surrogate, outside_error
+from trellisdb.importers.units import (
+    SURROGATE_ESCAPE,
+    Unit,
+    inside,
+    json_path,
+    listed_file,
+    lone_surrogate,
+    outside_error,
+    unreadable,
+)
 from trellisdb.names import check_name, name_problem
 from trellisdb.rules import ATTR_MAX_BYTES, INT64_MAX
 
@@ -376,7 +385,8 @@ class _Reader:
         try:
             raw = gzip.decompress(_read_bytes(path)) if path.endswith(".gz") else _read_bytes(path)
         except (OSError, EOFError) as e:
-            self._error(index, ImportFormatError(f"{path}: cannot be read: {e}"))
+            self._error(index, unreadable(path, e) if isinstance(e, OSError) else
+                        ImportFormatError(f"{path}: cannot be read: {e}"))
             return
         try:
             text = raw.decode("utf-8-sig")
@@ -537,7 +547,7 @@ def _files(path: str) -> list[str]:
     for root, dirs, names in os.walk(path):
         dirs[:] = sorted(d for d in dirs if not d.startswith("."))
         for n in sorted(names):
-            if not n.startswith(".") and n.removesuffix(".gz").endswith(SUFFIXES):
+            if not n.startswith(".") and n.removesuffix(".gz").endswith(SUFFIXES) and listed_file(os.path.join(root, n)):
                 found.append(os.path.join(root, n))
     if not found:
         raise ImportFormatError(f"{path}: no OTLP JSON files in this folder (*.json, *.jsonl, *.ndjson, or .gz of them)")

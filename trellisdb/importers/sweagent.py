@@ -44,7 +44,15 @@ from pathlib import Path
 from typing import Any
 
 from trellisdb.errors import ImportFormatError, ValidationError
-from trellisdb.importers.units import SURROGATE_ESCAPE, Unit, inside, lone_surrogate, outside_error
+from trellisdb.importers.units import (
+    SURROGATE_ESCAPE,
+    Unit,
+    inside,
+    listed_file,
+    lone_surrogate,
+    outside_error,
+    unreadable,
+)
 from trellisdb.names import check_name, did_you_mean
 
 __all__ = ["AGENT", "FORMAT", "SOURCE", "source_name", "units"]
@@ -101,7 +109,7 @@ def _files(path: str) -> list[tuple[str, str]]:
     if not os.path.isdir(path):
         raise ImportFormatError(f"{path}: neither a .traj file nor a folder of them")
     root = Path(path)
-    found = sorted((p.relative_to(root).as_posix(), str(p)) for p in root.rglob("*.traj") if p.is_file())
+    found = sorted((p.relative_to(root).as_posix(), str(p)) for p in root.rglob("*.traj") if listed_file(str(p)))
     if not found:
         raise ImportFormatError(f"{path}: no .traj files in this folder or below; give a SWE-agent trajectory "
                                 "file or the folder SWE-agent wrote them to")
@@ -199,7 +207,7 @@ def _read(file: str) -> tuple[_File, dict[str, Any]]:
         with open(file, "rb") as fh:
             data = fh.read()
     except OSError as e:
-        raise ImportFormatError(f"{file}: cannot be read ({e.strerror})") from None
+        raise unreadable(file, e) from None
     try:
         text = data.decode()
     except UnicodeDecodeError as e:

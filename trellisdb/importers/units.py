@@ -15,6 +15,7 @@ a reader let through (a number out of range, text UTF-8 cannot hold) refuses its
 
 from __future__ import annotations
 
+import errno
 import functools
 import os
 import queue
@@ -147,6 +148,48 @@ def inside(file: str, root: str) -> bool:
 def _real(folder: str) -> str:
     """A folder's path with its links resolved (folders of a run are few; files are many)."""
     return os.path.realpath(folder)
+
+
+def unreadable(path: str, e: OSError) -> ImportFormatError:
+    """The error for a file or folder of a run that cannot be read: a symbolic link loop, a
+    link to nothing, or the system's reason (``e``), naming ``path``."""
+    if e.errno == errno.ELOOP:
+        return ImportFormatError(f"{path}: cannot be read: a symbolic link loop (following its links leads back "
+                                 "to one of them); remove the link, or point it at the file or folder it stands for")
+    if e.errno == errno.ENOENT and os.path.islink(path):
+        return dangling_error(path)
+    return ImportFormatError(f"{path}: cannot be read ({e.strerror or e})")
+
+
+def dangling_error(path: str) -> ImportFormatError:
+    """The error for a symbolic link of a run that points at nothing (or loops)."""
+    try:
+        os.stat(path)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            return unreadable(path, e)
+    try:
+        to = os.readlink(path)
+    except OSError:
+        to = "?"
+    return ImportFormatError(f"{path}: a symbolic link to {to}, which does not exist; remove the link or restore "
+                             "what it points at")
+
+
+def broken_link(path: str) -> ImportFormatError | None:
+    """The error for ``path`` when it is a symbolic link that cannot be followed (a loop, or a
+    link to nothing); None when it is not one (a file, a folder, or nothing at all)."""
+    return dangling_error(path) if os.path.islink(path) and not os.path.exists(path) else None
+
+
+def listed_file(path: str) -> bool:
+    """Whether ``path``, a name a run's folder listing matched, is a file to read (False: a
+    folder); a symbolic link that cannot be followed (a loop, or a link to nothing) raises
+    ``ImportFormatError`` naming it rather than being passed over."""
+    bad = broken_link(path)
+    if bad is not None:
+        raise bad
+    return os.path.isfile(path)
 
 
 def outside_error(file: str, root: str) -> ImportFormatError:

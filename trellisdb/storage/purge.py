@@ -44,7 +44,8 @@ from trellisdb.storage.tables import LanceTables
 Drop = Callable[[pa.Table], "pa.Array | pa.ChunkedArray"]
 
 
-def _mask(drop: Drop, rows: pa.Table) -> np.ndarray:
+def mask(drop: Drop, rows: pa.Table) -> np.ndarray:
+    """Which rows ``drop`` marks, as a numpy bool array (a null: kept)."""
     m = drop(rows)
     return np.asarray(pc.fill_null(m, False).to_numpy(zero_copy_only=False), dtype=bool)
 
@@ -61,7 +62,7 @@ def _scan(tables: LanceTables, name: str, columns: Sequence[str], keep: Drop,
     try:
         for batch in ds.to_batches(columns=list(columns), with_row_address=addresses, batch_size=SCAN_ROWS):
             rows = pa.Table.from_batches([batch])
-            m = _mask(keep, rows)
+            m = mask(keep, rows)
             if m.any():
                 yield rows.filter(pa.array(m))
     except (OSError, ValueError, RuntimeError) as e:
@@ -128,7 +129,7 @@ def filter_parquet(path: str, drop: Drop) -> int:
     copy of a table): the rest written aside and renamed over it, or the file removed when
     none is left. Returns how many rows went."""
     t = pq.read_table(path)
-    m = _mask(drop, t)
+    m = mask(drop, t)
     if not m.any():
         return 0
     rest = t.filter(pa.array(~m))

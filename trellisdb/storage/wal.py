@@ -32,6 +32,7 @@ import datetime as dt
 import errno
 import json
 import os
+import re
 import threading
 import zlib
 from collections.abc import Mapping, Sequence
@@ -404,3 +405,128 @@ class WalRows:
 
     def view(self, upto: int) -> WalView:
         return WalView(upto, self, len(self.frames))
+
+
+# ------------------------------------------------------------------ copies, read and rewritten whole
+
+#: The longest frame record line looked for when reading past damage (a record holds a commit's
+#: meta, at most 64 KiB as JSON, and its message).
+MAX_RECORD_BYTES = 4 << 20
+_LINE_END = re.compile(rb"\t[0-9a-f]{8}\n")
+
+
+@dataclass(frozen=True)
+class Piece:
+    """A run of a segment file's bytes, as :func:`pieces` reads them: a frame whose commit record
+    line is whole (``record``; its rows as ``parts``, ``(table, format, bytes)`` split as the
+    record says, and whether they pass their checksum: ``intact``), or bytes that are no whole
+    frame (``record`` None: a damaged record line and what follows it up to the next whole frame,
+    or a frame cut short at the end)."""
+
+    raw: bytes
+    record: dict[str, Any] | None = None
+    parts: tuple[tuple[str, str, bytes], ...] = ()
+    intact: bool = True
+
+
+def _frame_at(data: bytes, pos: int) -> tuple[dict[str, Any], int] | None:
+    """The frame record starting at ``pos`` and where its frame ends, when the record line is whole
+    and its rows are all there (their checksum is not checked)."""
+    nl = data.find(b"\n", pos)
+    if nl < 0:
+        return None
+    rec = _decodeencode_line(data[pos:nl])
+    if rec is None or not isinstance(rec.get("bytes", 0), int):
+        return None
+    end = nl + 1 + int(rec.get("bytes", 0))
+    return (rec, end) if end <= len(data) else None
+
+
+def _next_frame(data: bytes, pos: int) -> int:
+    """Where the next whole frame (record and rows passing their checksums) starts at or after
+    ``pos``; ``len(data)`` if none does. A record line ends ``\\t<crc32>\\n``: for each such end,
+    the line's start is looked for backwards (the nearest ``{"`` whose line checks out)."""
+    for m in _LINE_END.finditer(data, pos):
+        end = m.start()
+        lo = max(pos, data.rfind(b"\n", pos, end) + 1, end - MAX_RECORD_BYTES)  # a record line holds no newline
+        c = end
+        while True:
+            c = data.rfind(b'{"', lo, c)
+            if c < 0:
+                break
+            got = _frame_at(data, c)
+            if got is not None and zlib.crc32(data[data.find(b"\n", c) + 1 : got[1]]) & 0xFFFFFFFF == int(
+                    got[0].get("pcrc", -1)):
+                return c
+    return len(data)
+
+
+def pieces(data: bytes) -> list[Piece]:
+    """The bytes of a WAL segment (a copy, damaged perhaps) as :class:`Piece` s, in order, covering
+    every byte: whole frames, and the damage between them. Unlike :class:`Segment`, which stops at a
+    damaged record line (a writer must not guess), this reads on at the next whole frame."""
+    out: list[Piece] = []
+    pos = 0
+    while pos < len(data):
+        got = _frame_at(data, pos)
+        if got is None:  # a damaged record line, or a frame cut short: up to the next whole frame
+            nxt = _next_frame(data, pos + 1)
+            out.append(Piece(data[pos:nxt]))
+            pos = nxt
+            continue
+        rec, end = got
+        head = data.find(b"\n", pos) + 1
+        payload = data[head:end]
+        parts: list[tuple[str, str, bytes]] = []
+        at = 0
+        split = True
+        for item in rec.get("tables", []):
+            try:
+                name, n, *fmt = item
+                parts.append((str(name), str(fmt[0]) if fmt else "ipc", payload[at : at + int(n)]))
+                at += int(n)
+            except (TypeError, ValueError):
+                split = False
+                break
+        if not split or at != len(payload):  # the record does not describe its rows: damage
+            nxt = _next_frame(data, pos + 1)
+            out.append(Piece(data[pos:nxt]))
+            pos = nxt
+            continue
+        intact = zlib.crc32(payload) & 0xFFFFFFFF == int(rec.get("pcrc", -1))
+        out.append(Piece(data[pos:end], rec, tuple(parts), intact))
+        pos = end
+    return out
+
+
+def frame_bytes(record: Mapping[str, Any], parts: Sequence[tuple[str, str, bytes]], *, intact: bool = True) -> bytes:
+    """A frame of ``record`` and ``parts`` (its ``tables``, ``bytes`` and ``pcrc`` set from them).
+    A frame whose rows failed their checksum (``intact`` False) keeps failing it: a rewrite must
+    not make damaged rows look whole."""
+    data = b"".join(p for _, _, p in parts)
+    crc = zlib.crc32(data) & 0xFFFFFFFF
+    if not intact:
+        crc = int(record.get("pcrc", crc ^ 1))
+        crc = crc ^ 1 if crc == zlib.crc32(data) & 0xFFFFFFFF else crc
+    rec = {**record, "tables": [[name, len(p), fmt] for name, fmt, p in parts], "bytes": len(data), "pcrc": crc}
+    return encode_line(rec) + data
+
+
+def json_rows(part: bytes) -> list[dict[str, Any]] | None:
+    """A JSON part's rows as written (values in their WAL form: ``{"$t": ...}`` times, ``{"$b": ...}``
+    bytes, ``{"$f": ...}`` embeddings), or None when the part is not a JSON list of rows."""
+    try:
+        rows = json.loads(part)
+    except (ValueError, RecursionError):
+        return None
+    return rows if isinstance(rows, list) and all(isinstance(r, dict) for r in rows) else None
+
+
+def json_part(rows: list[dict[str, Any]]) -> bytes:
+    """Rows (as :func:`json_rows` reads them) written back as a JSON part, as a writer writes them."""
+    return _ENCODER.encode(rows).encode()
+
+
+def ipc_part(t: pa.Table) -> bytes:
+    """A table written as an Arrow IPC part, as a writer writes one."""
+    return _ipc(t)

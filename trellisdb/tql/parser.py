@@ -30,6 +30,7 @@ import lark
 from lark.exceptions import UnexpectedCharacters, UnexpectedEOF, UnexpectedInput, UnexpectedToken
 
 from trellisdb.errors import QuerySyntaxError
+from trellisdb.names import printable, surrogate_at
 from trellisdb.tql.ast import Query, Span, ToAst
 
 # ------------------------------------------------------------------ size limits
@@ -181,7 +182,8 @@ def _caret(text: str, pos: int) -> str:
     start = text.rfind("\n", 0, pos) + 1
     end = text.find("\n", pos)
     line = text[start : end if end >= 0 else len(text)]
-    col = pos - start
+    col = len(printable(line[: pos - start]))  # a message holds only text: a lone surrogate shows escaped
+    line = printable(line)
     if len(line) > 100:  # keep long lines readable: a window around the caret
         lo = max(0, col - 60)
         line, col = ("..." if lo else "") + line[lo : lo + 100], col - lo + (3 if lo else 0)
@@ -207,6 +209,13 @@ def parse(text: str) -> Query:
             f"the query is {len(text)} characters long, over the limit of {MAX_QUERY_CHARS}; pass long values "
             "as $parameters, or split it into several queries", query=text
         )
+    at = surrogate_at(text)
+    if at is not None:  # DuckDB, Arrow and every file take UTF-8 only: say so here, at its place
+        line, col = _position(text, at)
+        raise QuerySyntaxError(
+            f"line {line}, column {col}: the query is not valid UTF-8 text: a lone surrogate U+{ord(text[at]):04X} "
+            "(half of a UTF-16 surrogate pair), which no text can hold; write the character the pair stands for, "
+            f"or leave it out\n{_caret(text, at)}", line, col, span=Span(at, at + 1, line, col), query=text)
     if len(text) > CACHED_QUERY_CHARS:
         return _parse.__wrapped__(text)
     return _parse(text)

@@ -26,7 +26,7 @@ import pyarrow as pa
 
 from trellisdb import asof
 from trellisdb.errors import QueryError, QueryNameError, QueryTypeError
-from trellisdb.names import QUARANTINED, did_you_mean, known
+from trellisdb.names import QUARANTINED, did_you_mean, known, printable, utf8_problem
 from trellisdb.schema import EDGE_KINDS, table_schema
 from trellisdb.tql import ast as A
 from trellisdb.tql.show import show
@@ -185,7 +185,7 @@ class Resolver:
         if isinstance(v, A.Literal):
             return v
         if v.name not in self.params:
-            bound = ", ".join(f"${k}" for k in sorted(self.params)) or "none"
+            bound = ", ".join(f"${printable(k)}" for k in sorted(self.params)) or "none"
             raise QueryNameError(
                 f"parameter ${v.name}{_where(v.span)} has no value; pass {v.name}=... "
                 f"(bound: {bound}){did_you_mean(v.name, self.params)}", span=A.place(v.span)
@@ -199,6 +199,9 @@ class Resolver:
                 f"parameter ${v.name} is a {type(x).__name__}; TQL parameters are str, int, float, bool, "
                 "datetime or None", span=A.place(v.span)
             )
+        if isinstance(x, str) and (problem := utf8_problem(x)):  # DuckDB and Arrow take UTF-8 only
+            raise QueryError(f"parameter ${v.name}{_where(v.span)} is not valid UTF-8 text ({problem}); "
+                             "pass text UTF-8 can hold", span=A.place(v.span))
         return A.Literal(x, v.span)
 
     def text(self, v: A.Value, what: str) -> str:
@@ -758,7 +761,7 @@ def _bound(r: Resolver, q: A.Query, stmt: A.Statement, snapshot: int, vector: An
     unused = set(r.params) - r.used_params
     if unused:
         raise QueryNameError(
-            f"parameter(s) {', '.join('$' + u for u in sorted(unused))} given but not used in the query"
+            f"parameter(s) {', '.join('$' + printable(u) for u in sorted(unused))} given but not used in the query"
         )
     return Bound(q, stmt, snapshot, tuple(r.channels), frozenset(r.accessors), attrs=tuple(r.attrs.items()),
                  labels=tuple(r.labels), vector=vector)

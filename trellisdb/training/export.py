@@ -56,7 +56,7 @@ import pyarrow.parquet as pq
 
 from trellisdb.errors import ExportError, ValidationError
 from trellisdb.names import utf8_problem
-from trellisdb.paths import check_target, replaceable
+from trellisdb.paths import check_length, check_target, path_error, replaceable
 from trellisdb.training import texts
 from trellisdb.training.catalog import ViewCatalog
 from trellisdb.training.kinds import KINDS, ROW_KEYS, SHAPES
@@ -127,6 +127,7 @@ def export(
         raise ExportError(f"export path {path!r} contains a NUL character or is not valid UTF-8")
     if not isinstance(overwrite, bool) or not isinstance(skip_missing, bool):
         raise ValidationError(f"overwrite and skip_missing are True or False, not {overwrite!r}, {skip_missing!r}")
+    check_length(os.fspath(path) if isinstance(path, str | os.PathLike) else out, out)
     check_target(root, out)
     if os.path.lexists(out):
         if not overwrite:
@@ -140,8 +141,11 @@ def export(
     rows, skipped = _with_texts(stored.texts, reads, entry, rows, shape, spec, skip_missing, values)
     side = _split(rows, validation) if validation else None  # no split asked: every row is train
     parent = os.path.dirname(os.path.abspath(out)) or "."
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=".trellis-export-", dir=parent)
+    try:
+        os.makedirs(parent, exist_ok=True)
+        tmp = tempfile.mkdtemp(prefix=".trellis-export-", dir=parent)
+    except OSError as e:  # a name the file system refuses, a file where a folder must be: the caller's path
+        raise (path_error(out, e) or e) from None
     try:
         files, counts = _write(tmp, format, shape, rows, side, validation, progress)
         tasks = {split: _tasks(rows, side, split) for split in counts}
@@ -169,14 +173,16 @@ def export(
         with open(os.path.join(tmp, "README.md"), "w") as fh:
             fh.write(_card(manifest))
         if os.path.exists(out):
-            old = out + ".old-" + os.path.basename(tmp)
+            old = tmp + ".old"  # beside it, a short name: the export's own may be as long as a name can be
             os.replace(out, old)
             os.replace(tmp, out)
             shutil.rmtree(old, ignore_errors=True) if os.path.isdir(old) else os.remove(old)
         else:
             os.replace(tmp, out)
-    except BaseException:
+    except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, OSError) and (refused := path_error(out, e)) is not None:
+            raise refused from None
         raise
     return manifest
 

@@ -5,7 +5,10 @@ Lance metadata (no scan); at :data:`INDEX_MIN_ROWS` vectors an ``IVF_SQ`` (cosin
 partitions) build is queued, later the index is updated once :data:`UPDATE_FRACTION`
 (at least :data:`UPDATE_MIN_ROWS`) rows are unindexed, and retrained when sqrt(n) has
 doubled. Builds run without the writer lock: Lance commits the index next to concurrent
-appends. Failures are kept in the space's ``IndexState`` and logged.
+appends. A build that loses a race (a commit conflict, or a compaction that removed the files
+of the version it read) starts again on a fresh version, a few times (:data:`BUILD_ATTEMPTS`),
+logged at debug level; one that fails for good is kept in the space's ``IndexState`` and logged
+as a warning.
 """
 
 from __future__ import annotations
@@ -32,6 +35,9 @@ UPDATE_FRACTION = 0.05
 #: The index is retrained (new partitions) when the partition count the table
 #: now calls for is this many times the trained one (rows grew ~4x).
 RETRAIN_GROWTH = 2.0
+#: Tries of one build that lost a race (a commit conflict, or a compaction that removed the
+#: files of the version it read), each on a fresh version after a short pause (0.2 s, 0.4 s, ...).
+BUILD_ATTEMPTS = 5
 
 
 @dataclass
@@ -193,7 +199,7 @@ class IndexMaintainer:
         st.state, st.building_since, st.error = "building", time.monotonic(), None
         t0 = time.perf_counter()
         try:
-            for attempt in range(5):
+            for attempt in range(BUILD_ATTEMPTS):
                 try:
                     ds = self._open_fresh(space.table)
                     rows, _, idx = index_counts(ds, space.column)
@@ -219,9 +225,11 @@ class IndexMaintainer:
                         else:
                             ds.optimize.optimize_indices(index_names=[tix["name"]])
                     break
-                except (OSError, RuntimeError, ValueError) as e:  # a commit conflict: try again on a fresh version
-                    if attempt == 4 or not is_conflict(e):
+                except (OSError, RuntimeError, ValueError) as e:  # a race lost: try again on a fresh version
+                    if attempt == BUILD_ATTEMPTS - 1 or not (is_conflict(e) or is_gone(e)):
                         raise
+                    log.debug("building the index of space %s of %s again on a fresh version (attempt %d of %d): %s",
+                              space.name, space.target, attempt + 2, BUILD_ATTEMPTS, e)
                     time.sleep(0.2 * (attempt + 1))
             st.builds += 1
             st.last_build_seconds = round(time.perf_counter() - t0, 3)
@@ -286,6 +294,21 @@ def is_conflict(e: BaseException) -> bool:
         return True
     text = str(e).lower()
     return "commit conflict" in text or "retry" in text
+
+
+def is_gone(e: BaseException) -> bool:
+    """Whether a read failed because a file of the version it read is gone: a compaction (in this
+    process or another) rewrote the fragments and pruned the old ones meanwhile. Lance says
+    ``Not found: <table>.lance/data/<file>.lance`` (as an ``OSError`` or a ``ValueError``); the
+    version there now has the rows in new files, so a fresh read succeeds.
+
+    >>> is_gone(ValueError("Not found: db/tables/nodes.lance/data/0101.lance, local.rs:273:40"))
+    True
+    >>> is_gone(ValueError("Not found: column 'x'"))
+    False
+    """
+    text = str(e)
+    return "not found" in text.lower() and ".lance" in text
 
 
 def _partitions(ds: Any, idx: dict[str, Any]) -> int:
