@@ -188,6 +188,8 @@ class Committer:
         self.checkpoint_bytes = CHECKPOINT_BYTES
         self.checkpoint_commits = CHECKPOINT_COMMITS
         self.checkpoint_delay = CHECKPOINT_DELAY
+        #: whether this handle has checkpointed (its first checkpoint checks Lance for stray rows)
+        self._checkpointed = False
         self._wal_bytes = 0
         self._ckpt_lock = threading.Lock()
         self._ckpt_wake = threading.Event()
@@ -489,6 +491,12 @@ class Committer:
         if st.checkpoint_begun > view.upto:  # an earlier checkpoint died half-way: its rows go first
             for name in s.all_tables():
                 s.tables.delete(name, f"commit_id > {int(view.upto)}")
+        elif not self._checkpointed:
+            # this handle's first checkpoint: one that died half-way before it opened may have left rows
+            # no checkpoint-begin record names (the line damaged, and no mark to tell): counted, not trusted
+            for name in s.all_tables():
+                s.tables.delete_if_any(name, f"commit_id > {int(view.upto)}")
+        self._checkpointed = True
         s.log.append([{"op": "checkpoint-begin", "upto": upto}])
         frames = view.frames
         names = {n for f in frames for n in f.names()}
@@ -858,6 +866,9 @@ class Committer:
         mark = s.log.repair_tail()
         if s.log.state.wal.frames:  # a record in the log says Lance holds every commit below it
             self._checkpoint_locked()
+        # as every commit does: a commit a writer died in is collected before a later id is taken
+        # (repair takes a begun commit below a later one for a whole one)
+        self._collect_aborted()
         cid = s.guard.next_id(s.log.state, mark)
         s.log.append([{"op": "commit", "id": cid, "time": time.time(), "writer": self._writer_name,
                        "session": None, "message": "purge", "meta": meta, "rows": 0, "purge": True}])

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import lance
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
@@ -276,3 +277,22 @@ def test_the_mark_carries_the_checkpoints_and_reads_a_version_1_mark(tmp_path: P
         again.resume("s").add_node(id="after")
     new = read_hwm(str(p / HWM_FILE))
     assert new is not None and new.upto is not None  # the next commit writes a version-2 mark
+
+
+def test_ids_a_repair_skips_are_never_called_lost(tmp_path: Path) -> None:
+    """A stranded row of a far-off id (1000) is taken out and its id retired: the next commit takes
+    1001, and the ids in between, never used, are not 'acknowledged and lost' (verify stays clean)."""
+    p = tmp_path / "db"
+    db = _open(p)
+    _steps(db, 0, 2)
+    db._committer.checkpoint()
+    row = lance.dataset(str(p / "tables" / "tasks.lance")).to_table()
+    row = row.set_column(row.schema.get_field_index("commit_id"), "commit_id", pa.array([1000] * row.num_rows, pa.int64()))
+    lance.write_dataset(row, str(p / "tables" / "tasks.lance"), mode="append")
+    assert any("commit(s) 1000 were never acknowledged" in x for x in db.verify())
+    report = db.repair()
+    assert [r["id"] for r in report["removed"]] == [1000] and report["lost"] == {}, report
+    acked = _steps(db, 2, 1)
+    assert list(acked) == [1001]
+    assert db.verify() == []
+    assert db.repair()["damage"] == []

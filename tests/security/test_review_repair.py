@@ -1,6 +1,6 @@
-"""Adversarial review of repair (issue 35, items 1-2): scenarios that break the rule that repair
+"""Adversarial review of repair (issue 35, items 1-2): scenarios that broke the rule that repair
 keeps only provable commits, names every acknowledged commit it cannot give back, and that a
-healthy store raises no false alarm, also while another process writes."""
+healthy store raises no false alarm, also while another process writes (each failed before its fix)."""
 
 from __future__ import annotations
 
@@ -310,9 +310,10 @@ def test_a_checkpoint_after_a_lost_checkpoint_begin_and_no_mark_never_doubles_ro
 def test_a_process_open_during_a_repair_that_rewrote_the_wal_sees_later_commits(tmp_path: Path) -> None:
     """Process B has the store open (it wrote four WAL commits). A frame in the middle of the
     segment is damaged; process A repairs (drops the frame, retires its id: only *appends* records to
-    the log, so B is not told to open again) and commits once more. B's WAL reader keeps its byte
-    offset into the segment that the repair replaced with a shorter one: B never sees A's commit,
-    still serves the retired commit, and its next write is refused with a false 'lost records'."""
+    the log, so B was not told to open again) and commits once more. B's WAL reader kept its byte
+    offset into the segment that the repair replaced with a shorter one: B never saw A's commit,
+    still served the retired commit, and its next write was refused with a false 'lost records'.
+    Now B is told, as for a replaced log, and a new handle sees the repaired store."""
     p = tmp_path / "db"
     b = _open(p)
     acked = _steps(b, 0, 4)
@@ -334,8 +335,13 @@ def test_a_process_open_during_a_repair_that_rewrote_the_wal_sees_later_commits(
     assert tx.commit_id is not None
     fresh = trellisdb.connect(p)
     assert fresh.verify() == []
+    # B is told its WAL segment was replaced (as a replaced log is told): it must open the store again
+    with pytest.raises(trellisdb.CorruptionError, match=r"replaced.*open the database again"):
+        b.sql("SELECT id FROM nodes").to_pylist()
+    b._committer.closed = True
+    b = trellisdb.connect(p)
     seen = {r["id"] for r in b.sql("SELECT id FROM nodes").to_pylist()}
-    assert "byA" in seen, f"B never sees commit {tx.commit_id} (it reads the new segment from its old offset)"
+    assert "byA" in seen, f"B never sees commit {tx.commit_id}"
     assert acked[retired] not in seen, f"B still serves commit {retired}, which the repair retired"
-    with b.transaction():  # a healthy store: B's write goes through (or B is told to open the store again)
+    with b.transaction():  # a healthy store: B's write goes through
         b.resume("s").add_node(id="byB", parents=["n0"])

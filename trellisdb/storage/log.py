@@ -261,6 +261,24 @@ class CommitLog:
             return self._refresh()
 
     def _refresh(self) -> LogState:
+        """Read the log's new records, then the current WAL segment's new frames. A checkpoint may
+        land between the two: its record after the log was read, the segment the log named deleted
+        before it was read. So a missing segment while the log grew meanwhile is read again, from
+        the log on (the checkpoint's record names the next segment)."""
+        st = self._refresh_once()
+        for _ in range(8):
+            if not self._segment.missing:
+                break
+            try:
+                grew = os.path.getsize(self.path) > self._size
+            except OSError:
+                break
+            if not grew:
+                break
+            st = self._refresh_once()
+        return st
+
+    def _refresh_once(self) -> LogState:
         try:
             with open(self.path, "rb") as fh:
                 info = os.fstat(fh.fileno())
@@ -427,7 +445,9 @@ class CommitLog:
         durable), or the mark names a later checkpoint or Lance commit than the log holds."""
         st = self._state
         later = self.later_segments()
-        if later:  # listed after the log was read: a checkpoint may have come between
+        for _ in range(4):  # listed after the log was read: checkpoints may have come between
+            if not later:
+                break
             st = self.refresh()
             later = self.later_segments()
         what = []
@@ -513,8 +533,10 @@ class CommitLog:
         them over it. Returns how many damaged frames were dropped (their commits are lost)."""
         seg = Segment(self.wal_path(self._state.wal_gen if gen is None else gen))
         frames = seg.read()
-        if not seg.problems:
+        if not seg.problems and seg.torn_at is None:
             return 0
+        # a damaged last frame is cut too (a torn append's, or an acknowledged one's the mark names:
+        # either way its copy is kept)
         with open(seg.path, "rb") as fh:
             before = fh.read()
         name = os.path.basename(seg.path)
@@ -526,7 +548,7 @@ class CommitLog:
                 os.fsync(fh.fileno())
         os.replace(seg.path + ".repair", seg.path)
         sync_dir(os.path.dirname(seg.path))
-        return len(seg.problems)
+        return len(seg.problems) + (seg.torn_id is not None)
 
     def wal_segments(self) -> list[str]:
         """Paths of WAL segments older than the current one (left by checkpoints; deletable). A

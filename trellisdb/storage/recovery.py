@@ -140,6 +140,9 @@ class WalFiles:
 
     frames: dict[int, list[Frame]] = field(default_factory=dict)
     problems: dict[int, list[str]] = field(default_factory=dict)
+    #: ids of damaged frames whose header names them: in the middle, or the last one (its rows failing
+    #: their checksum, a torn append's sign too; a repair tells them apart by the mark)
+    damaged: set[int] = field(default_factory=set)
 
     @classmethod
     def read(cls, folder: str) -> WalFiles:
@@ -148,6 +151,7 @@ class WalFiles:
             seg = Segment(path)
             out.frames[gen] = seg.read()
             out.problems[gen] = [m for _, m in seg.problems]
+            out.damaged |= seg.damaged_ids()
         return out
 
 
@@ -240,12 +244,13 @@ def diagnose(st: LogState, mark: HighWaterMark | None, wal: WalFiles, found: dic
             if x <= acknowledged:
                 d.lost[x] = (f"its WAL frame is gone, and its rows in {', '.join(sorted(found[x].rows))} were "
                              "copied into Lance by a checkpoint that did not finish (not provably all of them)")
-    damaged = {int(m.split("(commit ", 1)[1].split(")", 1)[0]) for ms in wal.problems.values() for m in ms
-               if "(commit " in m}
-    accounted = st.logged | st.collected | st.begun | set(current) | set(d.from_frames) | set(d.recover)
-    for x in range(1, acknowledged + 1):
+    accounted = (st.logged | set(st.commits) | st.collected | st.begun | set(current) | set(d.from_frames)
+                 | set(d.recover))
+    # acknowledged ids with no trace: above the last commit the log and the WAL hold (ids below it
+    # may have been skipped: a repair's retired ids move the next one up), and damaged frames'
+    for x in sorted({*range(st.last_committed + 1, acknowledged + 1), *(i for i in wal.damaged if i <= acknowledged)}):
         if x not in accounted and x not in d.lost:
-            d.lost[x] = ("its WAL frame is damaged" if x in damaged else
+            d.lost[x] = ("its WAL frame is damaged (kept in lost+found/)" if x in wal.damaged else
                          "the log lost its record, and no WAL frame or row of it is left")
     return d
 
@@ -337,14 +342,20 @@ class LogGuard:
         lost = fresh.lost(mark)
         if lost:
             out.append(f"{lost}; run `trellis repair`")
+        before = set(st.collected)
         found = scan_unlogged(self._tables, self._names(), st)
+        # the WAL segments after the scan, the log after both: a commit in flight logged its begin (a
+        # checkpoint its checkpoint-begin, after its frames) before its appends, and a checkpoint logs
+        # its records before it deletes a segment, so what the scan or the listing saw of them the
+        # log read last explains
+        wal = WalFiles.read(os.path.dirname(self._log.path))
         try:
-            # a commit in flight logged its begin (a checkpoint its checkpoint-begin, after the frames)
-            # before its appends: read after the scan, it is not stranded
             st = fresh.refresh()
         except CorruptionError as e:  # replaced meanwhile by a repair in another process
             return [*out, str(e)]
-        d = diagnose(st, mark, WalFiles.read(os.path.dirname(self._log.path)), found)
+        for x in st.collected - before:  # collected meanwhile by another writer: its rows are gone now
+            found.pop(x, None)
+        d = diagnose(st, mark, wal, found)
         if d.damage:
             msg = _stranded_message(fresh, self._tables, found, d, mark.id if mark else 0)
             out.append(f"{msg}; run `trellis repair`")
@@ -384,7 +395,7 @@ class LogGuard:
         report: dict[str, Any] = {
             "damage": [msg for _, msg in st.problems] + ([lost] if lost else []), "recovered": [], "removed": [],
             "unrecoverable": sorted(d.lost), "lost": {str(x): why for x, why in sorted(d.lost.items())},
-            "tail_bytes": 0, "damaged_lines": len(st.problems), "lost_found": None, "wal_segment": d.gen,
+            "tail_bytes": 0, "damaged_lines": sum(1 for _, m in st.problems if m.startswith(log.path)), "lost_found": None, "wal_segment": d.gen,
             "last_commit": st.last_committed, "notes": [], "wal_frames_dropped": 0,
         }
         message = _stranded_message(log, self._tables, found, d, acknowledged)

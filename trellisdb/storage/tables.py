@@ -150,6 +150,15 @@ class LanceTables:
     def delete(self, name: str, predicate: str) -> None:
         self.dataset(name).delete(predicate)
 
+    def delete_if_any(self, name: str, predicate: str) -> int:
+        """Delete the rows matching ``predicate`` when there are any (a delete that matches nothing
+        still writes a version); returns how many there were. A count reads only the filter's columns."""
+        ds = self.dataset(name)
+        n = ds.count_rows(predicate)
+        if n:
+            ds.delete(predicate)
+        return n
+
     def fragment_count(self, name: str) -> int:
         return len(self.dataset(name).get_fragments())
 

@@ -238,19 +238,36 @@ class Segment:
         self.torn_at: int | None = None
         #: (frame number, message) for damaged frames followed by whole ones
         self.problems: list[tuple[int, str]] = []
+        #: the commit id a torn last frame's header names, when its header is whole (its rows are not)
+        self.torn_id: int | None = None
+        #: whether the file was missing at the last read (a checkpoint may have deleted it meanwhile)
+        self.missing = False
+        #: (device, inode) of the file read: a segment a repair replaced is not the one this read
+        self.identity: tuple[int, int] | None = None
         self._count = 0
 
     def read(self) -> list[Frame]:
         """The whole frames appended since the last read (none if the file does not exist)."""
         try:
             with open(self.path, "rb") as fh:
+                info = os.fstat(fh.fileno())
+                if self.identity is not None and (info.st_dev, info.st_ino) != self.identity and self.offset:
+                    raise CorruptionError(
+                        f"WAL segment {self.path} was replaced while this process had read {self.offset} bytes of "
+                        "it (by `trellis repair` in another process, or by hand): what this process read may be "
+                        "gone; open the database again"
+                    )
+                self.identity = (info.st_dev, info.st_ino)
                 fh.seek(self.offset)
                 data = fh.read()
         except FileNotFoundError:
+            self.missing = True
             return []
+        self.missing = False
         out: list[Frame] = []
         pos = 0
         self.torn_at = None
+        self.torn_id = None
         while pos < len(data):
             nl = data.find(b"\n", pos)
             if nl < 0:  # a header cut short: torn, or still being written
@@ -274,6 +291,7 @@ class Segment:
                 if end == len(data):
                     self._count -= 1
                     self.torn_at = self.offset + pos
+                    self.torn_id = int(rec["id"]) if isinstance(rec.get("id"), int) else None
                     break
                 self._problem(f"frame {self._count} (commit {rec.get('id')})'s rows fail their checksum")
             else:
@@ -281,6 +299,12 @@ class Segment:
             pos = end
         self.offset += pos
         return out
+
+    def damaged_ids(self) -> set[int]:
+        """Commit ids of the damaged frames whose headers name them (in the middle, or last)."""
+        out = {int(m.split("(commit ", 1)[1].split(")", 1)[0]) for _, m in self.problems
+               if "(commit " in m and m.split("(commit ", 1)[1].split(")", 1)[0].isdigit()}
+        return out | ({self.torn_id} if self.torn_id is not None else set())
 
     def _problem(self, what: str) -> None:
         msg = f"{self.path}: {what}"
