@@ -65,6 +65,10 @@ DUCKDB_CONFIG: dict[str, str | bool | int | float | list[str]] = {
     # at open did not; the compressed one made a 1M-node view refresh ~25% slower (string-key
     # semi-joins decode every value), for about half the memory (0.9 GiB vs 1.7 GiB at 1M nodes).
     "force_compression": "uncompressed",
+    # Nothing spills to disk: a query past the memory limit fails (QueryMemoryError) instead of
+    # writing temporary files under the process's working folder (DuckDB's default for an
+    # in-memory database), up to 90% of the disk.
+    "temp_directory": "",
 }
 
 #: The share of DuckDB's memory limit that its block allocator keeps mapped between queries
@@ -469,9 +473,9 @@ class SqlEngine:
     ``memory_limit`` (bytes; None: ``MEMORY_SHARE`` of the memory DuckDB finds) is the most
     the engine may use, the mirror and every running query together (DuckDB has no per-query
     bound: its limit is per database, here per store); a query needing more raises
-    ``QueryMemoryError``. Nothing spills to disk (DuckDB would write its temporary files under
-    the process's working folder). ``query_timeout`` (seconds; None: no limit) is the default
-    time limit of a caller's query (:meth:`scope`, :class:`QueryScope`).
+    ``QueryMemoryError``. Nothing spills to disk (``DUCKDB_CONFIG``). ``query_timeout``
+    (seconds; None: no limit) is the default time limit of a caller's query (:meth:`scope`,
+    :class:`QueryScope`).
     """
 
     def __init__(
@@ -512,8 +516,8 @@ class SqlEngine:
         self._commits = CommitsRelation()
 
     def _limit_memory(self, limit: int | None) -> int:
-        """Cap DuckDB's memory at ``limit`` bytes (None: ``MEMORY_SHARE`` of what it finds), with
-        no spilling to disk; the bytes."""
+        """Cap DuckDB's memory at ``limit`` bytes (None: ``MEMORY_SHARE`` of what it finds); the
+        bytes. (Nothing spills to disk: ``DUCKDB_CONFIG``.)"""
         if limit is None:
             found = size_bytes(str(self._db.sql("SELECT current_setting('memory_limit')").fetchall()[0][0]))
             limit = max(MIN_MEMORY, int((found or 0) / 0.8 * MEMORY_SHARE))  # DuckDB's default: 80% of it
@@ -521,7 +525,6 @@ class SqlEngine:
             raise ValidationError(f"memory_limit={limit} is below the {MIN_MEMORY >> 20} MiB the engine needs; "
                                   "pass more (or None)")
         self._db.execute(f"SET memory_limit = '{int(limit)} bytes'")
-        self._db.execute("SET max_temp_directory_size = '0 bytes'")
         return int(limit)
 
     def scope(self) -> QueryScope:
