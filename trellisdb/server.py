@@ -42,10 +42,13 @@ the event loop.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import io
 import json
 import os
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any
 
@@ -191,8 +194,9 @@ def build_app(db: Database, *, token: str | None = None, max_body: int = MAX_BOD
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise ValidationError(f"{name} must be a whole number >= 1, not {n!r}")
     services = Services(db, token=token, verify=verify, options=store_options)
-    # reads (TQL, SQL) and writes each on threads of their own: neither can take the other's
-    read_threads = anyio.CapacityLimiter(max_reads)
+    # reads (TQL, SQL) and writes each on threads of their own: neither can take the other's; the
+    # reads' run at a lower CPU priority, so that a core busy with them still serves steps and health
+    read_threads = ThreadPoolExecutor(max_reads, thread_name_prefix="trellisdb-read", initializer=_lower_priority)
     write_threads = anyio.CapacityLimiter(WRITE_THREADS)
     all_reads = anyio.CapacityLimiter(max_reads)
     tenant_slots: dict[str, anyio.CapacityLimiter] = {}
@@ -236,7 +240,9 @@ def build_app(db: Database, *, token: str | None = None, max_body: int = MAX_BOD
                     await turn(all_reads, max(0.0, read_wait - (anyio.current_time() - start)), 503, "the server",
                                "--max-reads")
                     try:
-                        done.append(await anyio.to_thread.run_sync(scoped, limiter=read_threads))
+                        running = asyncio.wrap_future(read_threads.submit(scoped))
+                        with anyio.CancelScope(shield=True):  # a cancel interrupts it: wait for its end
+                            done.append(await running)
                     finally:
                         all_reads.release()
                 finally:
@@ -419,8 +425,24 @@ def build_app(db: Database, *, token: str | None = None, max_body: int = MAX_BOD
             finally:
                 tg.cancel_scope.cancel()
                 await run_in_threadpool(services.close)
+                read_threads.shutdown(wait=False)
 
     return Starlette(routes=routes, lifespan=lifespan)
+
+
+#: How much lower the reads' threads run (``nice``; Linux: a thread's own priority).
+READ_NICE = 10
+
+
+def _lower_priority() -> None:
+    """Lower this thread's CPU priority by ``READ_NICE`` (Linux only: elsewhere it would be the
+    process's). A read thread holds it for its life: an unprivileged thread cannot raise it again."""
+    import sys
+    import threading
+
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError):
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), os.getpriority(os.PRIO_PROCESS, 0) + READ_NICE)
 
 
 _ROLE_HELP = ("agent: read, and write its own sessions; analyst: read; admin: also any session, views, exports, "
