@@ -143,9 +143,10 @@ class QueryCancelledError(QueryLimitError):
 
 
 class BusyError(TrellisError):
-    """A served store has no room for another read now: its tenant's, or the server's, reads
-    are all running (``trellis serve --tenant-reads``, ``--max-reads``) and none finished
-    within ``--read-wait``. Retry after a moment (HTTP 429 or 503, with ``Retry-After``)."""
+    """A served store has no room for another read now: the caller's token's, its tenant's or the
+    server's reads are all running (``trellis serve --token-reads``, ``--tenant-reads``,
+    ``--max-reads``) and none finished within ``--read-wait``. Retry after a moment (HTTP 429 or
+    503, with ``Retry-After``)."""
 
 
 class CommitError(TrellisError):

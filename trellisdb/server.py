@@ -29,15 +29,17 @@ ticket it has not covered, and each call returns once the flush covering it is d
 Requests larger than ``max_body`` bytes are refused (413) before they are read whole; errors are
 JSON ``{"error": <class>, "message": ...}`` with 400 (bad input, a query past its limits), 401
 (token), 403 (role, read-only store), 408 (a body trickled in too slowly), 413, 429 / 503 (the
-tenant's / the server's reads are all running: ``BusyError``, with ``Retry-After``), 500 (a
-damaged store, a bug). With a ``token``, every request must carry ``Authorization: Bearer <token>``.
+token's or tenant's / the server's reads are all running: ``BusyError``, with ``Retry-After``),
+500 (a damaged store, a bug). With a ``token``, every request must carry ``Authorization: Bearer
+<token>``.
 
 Reads cannot starve the rest: TQL and SQL (``/v1/query``, ``/v1/sql``) run in worker threads of
-their own, at most ``tenant_reads`` per tenant and ``max_reads`` in all; one that finds them
-taken waits up to ``read_wait`` seconds, then is refused (``BusyError``). Each runs under the
-store's ``query_timeout`` and ``memory_limit`` (``reader.QueryScope``), and is interrupted when
-its client goes away. Steps and the other writes have their own threads; health is answered on
-the event loop.
+their own, at a lower CPU priority, at most ``token_reads`` per agent's or analyst's token,
+``tenant_reads`` per tenant and ``max_reads`` in all; one that finds them taken waits up to
+``read_wait`` seconds, then is refused (``BusyError``). Each runs under the store's
+``query_timeout`` and ``memory_limit`` (``reader.QueryScope``), and is interrupted when its
+client goes away. Steps and the other writes have their own threads; health is answered on the
+event loop.
 """
 
 from __future__ import annotations
@@ -85,6 +87,14 @@ ARROW_STREAM = "application/vnd.apache.arrow.stream"
 TENANT_READS = max(2, os.cpu_count() or 1)
 MAX_READS = max(4, 2 * (os.cpu_count() or 1))
 READ_WAIT = 10.0
+
+
+def token_reads_of(tenant_reads: int) -> int:
+    """Reads one agent's or analyst's token may run at once by default: half its tenant's turns
+    (at least one), so that one caller's long queries leave the others a turn. An admin's token
+    is not held to it."""
+    return max(1, tenant_reads // 2)
+
 #: Worker threads for steps and the other writes (anyio's default pool is the rest's).
 WRITE_THREADS = 40
 
@@ -172,13 +182,15 @@ async def _body(request: Request, limit: int, timeout: float) -> dict[str, Any]:
 def build_app(db: Database, *, token: str | None = None, max_body: int = MAX_BODY, host: str = "127.0.0.1",
               allowed_hosts: Sequence[str] | None = None, body_timeout: float = BODY_TIMEOUT,
               verify: Verify | None = None, tenant_reads: int = TENANT_READS, max_reads: int = MAX_READS,
-              read_wait: float = READ_WAIT, store_options: Mapping[str, Any] | None = None) -> Starlette:
+              read_wait: float = READ_WAIT, token_reads: int | None = None,
+              store_options: Mapping[str, Any] | None = None) -> Starlette:
     """The HTTP application serving ``db`` and its tenants (see the module notes): the REST routes
     under ``/v1`` and MCP at ``/mcp``. ``host`` is the address it is bound to and ``allowed_hosts``
     the names clients may reach it by (MCP's DNS-rebinding check; ``trellisdb/mcp_server.py``);
     ``body_timeout`` the seconds a request body may take to arrive; ``verify`` the
     verify-before-insert hook every node an agent writes passes (``service.py``);
-    ``tenant_reads``, ``max_reads`` and ``read_wait`` the admission of reads (the module notes);
+    ``token_reads`` (None: :func:`token_reads_of` ``tenant_reads``), ``tenant_reads``, ``max_reads``
+    and ``read_wait`` the admission of reads (the module notes);
     ``store_options`` what the tenants' stores are opened with (``open_local``'s options:
     ``query_timeout``, ``memory_limit``; ``db`` is opened by the caller)."""
     import anyio
@@ -190,7 +202,8 @@ def build_app(db: Database, *, token: str | None = None, max_body: int = MAX_BOD
 
     from trellisdb.mcp_server import McpHttp, http_app
 
-    for name, n in (("tenant_reads", tenant_reads), ("max_reads", max_reads)):
+    token_reads = token_reads_of(tenant_reads) if token_reads is None else token_reads
+    for name, n in (("token_reads", token_reads), ("tenant_reads", tenant_reads), ("max_reads", max_reads)):
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise ValidationError(f"{name} must be a whole number >= 1, not {n!r}")
     services = Services(db, token=token, verify=verify, options=store_options)
@@ -200,6 +213,7 @@ def build_app(db: Database, *, token: str | None = None, max_body: int = MAX_BOD
     write_threads = anyio.CapacityLimiter(WRITE_THREADS)
     all_reads = anyio.CapacityLimiter(max_reads)
     tenant_slots: dict[str, anyio.CapacityLimiter] = {}
+    token_slots: dict[tuple[str, str], anyio.CapacityLimiter] = {}
 
     async def turn(limiter: anyio.CapacityLimiter, wait: float, status: int, whose: str, option: str) -> None:
         """A turn to read, waited for at most ``wait`` seconds (else ``BusyError``)."""
@@ -232,21 +246,20 @@ def build_app(db: Database, *, token: str | None = None, max_body: int = MAX_BOD
                 tg.cancel_scope.cancel()
 
             tg.start_soon(watch)
-            mine = tenant_slots.setdefault(who.tenant, anyio.CapacityLimiter(tenant_reads))
-            start = anyio.current_time()
+            turns = [(tenant_slots.setdefault(who.tenant, anyio.CapacityLimiter(tenant_reads)), 429,
+                      f"tenant {who.tenant!r}", "--tenant-reads"), (all_reads, 503, "the server", "--max-reads")]
+            if not who.may("admin"):  # one caller's turns, then its tenant's, then the server's
+                turns.insert(0, (token_slots.setdefault((who.tenant, who.name), anyio.CapacityLimiter(token_reads)),
+                                 429, f"token {who.name!r}", "--token-reads"))
+            until = anyio.current_time() + read_wait
             try:
-                await turn(mine, read_wait, 429, f"tenant {who.tenant!r}", "--tenant-reads")
-                try:
-                    await turn(all_reads, max(0.0, read_wait - (anyio.current_time() - start)), 503, "the server",
-                               "--max-reads")
-                    try:
-                        running = asyncio.wrap_future(read_threads.submit(scoped))
-                        with anyio.CancelScope(shield=True):  # a cancel interrupts it: wait for its end
-                            done.append(await running)
-                    finally:
-                        all_reads.release()
-                finally:
-                    mine.release()
+                async with contextlib.AsyncExitStack() as held:
+                    for limiter, status, whose, option in turns:
+                        await turn(limiter, max(0.0, until - anyio.current_time()), status, whose, option)
+                        held.callback(limiter.release)
+                    running = asyncio.wrap_future(read_threads.submit(scoped))
+                    with anyio.CancelScope(shield=True):  # a cancel interrupts it: wait for its end
+                        done.append(await running)
             except Exception as e:
                 failed.append(e)
             finally:
@@ -453,7 +466,8 @@ def serve(path: str, *, host: str = "127.0.0.1", port: int = 7437, token: str | 
           max_body: int = MAX_BODY, allowed_hosts: Sequence[str] | None = None,
           export_root: str | None = None, body_timeout: float = BODY_TIMEOUT, verify: Verify | None = None,
           query_timeout: float | None = QUERY_TIMEOUT, memory_limit: int | None = None,
-          tenant_reads: int = TENANT_READS, max_reads: int = MAX_READS, read_wait: float = READ_WAIT) -> None:
+          tenant_reads: int = TENANT_READS, max_reads: int = MAX_READS, read_wait: float = READ_WAIT,
+          token_reads: int | None = None) -> None:
     """Open the store at ``path`` and serve it (and its tenants) until interrupted (``trellis serve``);
     ``query_timeout`` and ``memory_limit`` are every tenant's store's (``open_local``)."""
     import uvicorn
@@ -464,5 +478,5 @@ def serve(path: str, *, host: str = "127.0.0.1", port: int = 7437, token: str | 
     with open_local(path, export_root=export_root, query_timeout=query_timeout, memory_limit=memory_limit) as db:
         app = build_app(db, token=token, max_body=max_body, host=host, allowed_hosts=allowed_hosts,
                         body_timeout=body_timeout, verify=verify, tenant_reads=tenant_reads, max_reads=max_reads,
-                        read_wait=read_wait, store_options=limits)
+                        read_wait=read_wait, token_reads=token_reads, store_options=limits)
         uvicorn.run(app, host=host, port=port, log_level="warning")

@@ -1,8 +1,8 @@
 """One analyst cannot stop ``trellis serve`` (issue 35, item 6): a real server process.
 
-Queries run in read threads of their own, admitted a few at a time per tenant and per server
-(``--tenant-reads``, ``--max-reads``; one that waits past ``--read-wait`` gets 429 / 503
-``BusyError``), each under the store's ``--query-timeout`` and ``--memory-limit``, and each is
+Queries run in read threads of their own, admitted a few at a time per token, per tenant and per
+server (``--token-reads``, ``--tenant-reads``, ``--max-reads``; one that waits past
+``--read-wait`` gets 429 / 503 ``BusyError``), each under the store's ``--query-timeout`` and ``--memory-limit``, and each is
 interrupted when its client hangs up. Health is answered on the event loop and steps have
 threads of their own, so neither waits behind the reads.
 """
@@ -44,7 +44,7 @@ def store(path: Path) -> dict[str, str]:
     """A store with the clique (a slow TQL PATH) and tokens: analysts of three tenants, an agent."""
     with trellisdb.connect(path) as db:
         assert isinstance(db, trellisdb.Database)
-        clique(db)
+        clique(db, 160)  # a PATH over it runs ~20 s unlimited: well past the limits below
     tokens = Tokens(str(path))
     return {"analyst": tokens.create("default", "analyst", name="hostile"),
             "agent": tokens.create("default", "agent", name="worker"),
@@ -55,12 +55,13 @@ def store(path: Path) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def limited(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, int, dict[str, str]]]:
-    """A server with short limits: 3 s per query, 200 MiB per store, 1 read per tenant, 2 in all."""
+    """A server with short limits: 4 s per query, 200 MiB per store, reads: 1 per token, 2 per
+    tenant, 3 in all."""
     path = tmp_path_factory.mktemp("limited") / "db"
     tokens = store(path)
     port = free_port()
-    proc = start(path, port, None, "--query-timeout", "3", "--memory-limit", "200MiB", "--tenant-reads", "1",
-                 "--max-reads", "2", "--read-wait", "0.3", probe=tokens["admin"])
+    proc = start(path, port, None, "--query-timeout", "4", "--memory-limit", "200MiB", "--token-reads", "1",
+                 "--tenant-reads", "2", "--max-reads", "3", "--read-wait", "0.3", probe=tokens["admin"])
     url = f"http://127.0.0.1:{port}"
     for tenant in ("t2", "t3"):  # their stores made (on first use) before the tests time anything
         assert post(url, tokens[tenant], "/v1/sql", {"sql": "SELECT 1 AS x"}).status_code == 200
@@ -93,8 +94,8 @@ def test_sql_and_tql_past_the_time_limit_are_stopped_and_free_the_cores(limited:
     start_t = time.monotonic()
     r = post(url, tokens["analyst"], "/v1/sql", {"sql": LONG_SQL})
     assert r.status_code == 400 and r.json()["error"] == "QueryTimeoutError", r.text
-    assert 2.5 < time.monotonic() - start_t < 10
-    assert "3 s" in r.json()["message"] and "--query-timeout" in r.json()["message"]
+    assert 3.5 < time.monotonic() - start_t < 12
+    assert "4 s" in r.json()["message"] and "--query-timeout" in r.json()["message"]
     assert server_cpu_over(pid, 1.0) < 0.3  # the query is not running any more
     with RemoteDatabase(url, token=tokens["analyst"]) as db:
         with pytest.raises(trellisdb.QueryTimeoutError, match="query_timeout"):
@@ -109,36 +110,45 @@ def test_a_query_past_the_memory_limit_is_stopped_with_the_limit_named(limited: 
     with RemoteDatabase(url, token=tokens["analyst"]) as db:
         with pytest.raises(trellisdb.QueryMemoryError, match=r"200 MiB.*--memory-limit"):
             db.sql(BIG_GROUP_BY)
-        assert db.sql("SELECT count(*) AS n FROM nodes").to_pylist() == [{"n": 101}]
+        assert db.sql("SELECT count(*) AS n FROM nodes").to_pylist() == [{"n": 161}]
 
 
-def test_reads_past_the_tenants_and_the_servers_turns_are_refused_clearly(limited: tuple[str, int, dict[str, str]]
-                                                                          ) -> None:
+def test_reads_past_the_tokens_the_tenants_and_the_servers_turns_are_refused_clearly(
+        limited: tuple[str, int, dict[str, str]]) -> None:
     url, _, tokens = limited
     out: dict[str, httpx.Response] = {}
+    threads: list[threading.Thread] = []
 
     def long_read(who: str) -> None:
-        out[who] = post(url, tokens[who], "/v1/sql", {"sql": LONG_SQL})
+        def run() -> None:
+            out[who] = post(url, tokens[who], "/v1/sql", {"sql": LONG_SQL})
+        threads.append(threading.Thread(target=run))
+        threads[-1].start()
+        time.sleep(0.4)  # it has its turns
 
-    first = threading.Thread(target=long_read, args=("analyst",))
-    first.start()
-    time.sleep(0.5)  # the default tenant's one turn is taken
-    r = post(url, tokens["analyst"], "/v1/sql", {"sql": "SELECT 1 AS x"})
+    def quick(who: str) -> httpx.Response:
+        return post(url, tokens[who], "/v1/sql", {"sql": "SELECT 1 AS x"})
+
+    long_read("analyst")  # the analyst's one turn
+    r = quick("analyst")
     assert r.status_code == 429 and r.json()["error"] == "BusyError" and r.headers["retry-after"] == "1", r.text
-    assert "tenant 'default'" in r.json()["message"] and "--tenant-reads" in r.json()["message"]
-    other = threading.Thread(target=long_read, args=("t2",))  # another tenant has a turn of its own
-    other.start()
-    time.sleep(0.5)
-    r = post(url, tokens["t3"], "/v1/sql", {"sql": "SELECT 1 AS x"})  # both of the server's turns are taken
+    assert "token 'hostile'" in r.json()["message"] and "--token-reads" in r.json()["message"]
+    assert quick("agent").status_code == 200  # one analyst's long query leaves its tenant a turn
+    long_read("agent")  # both of the tenant's turns
+    r = quick("admin")  # (an admin has no turns of its own: its tenant's)
+    assert r.status_code == 429 and "tenant 'default'" in r.json()["message"], r.text
+    assert "--tenant-reads" in r.json()["message"]
+    long_read("t2")  # another tenant has turns of its own: the server's last one
+    r = quick("t3")
     assert r.status_code == 503 and r.json()["error"] == "BusyError", r.text
-    assert "--max-reads" in r.json()["message"]
+    assert "the server" in r.json()["message"] and "--max-reads" in r.json()["message"]
     with RemoteDatabase(url, token=tokens["t3"]) as db, pytest.raises(trellisdb.BusyError):
         db.sql("SELECT 1 AS x")
-    first.join()
-    other.join()
-    assert out["t2"].json()["error"] == "QueryTimeoutError"  # it ran: refused only by its own limit
-    assert post(url, tokens["t3"], "/v1/sql", {"sql": "SELECT 1 AS x"}).json() == {"columns": ["x"],
-                                                                                  "rows": [{"x": 1}]}
+    for t in threads:
+        t.join()
+    assert {who: r.json()["error"] for who, r in out.items()} == {  # each ran, stopped by its own time limit
+        "analyst": "QueryTimeoutError", "agent": "QueryTimeoutError", "t2": "QueryTimeoutError"}
+    assert quick("t3").json() == {"columns": ["x"], "rows": [{"x": 1}]}
 
 
 def test_a_client_that_hangs_up_mid_query_gets_its_query_cancelled(default: tuple[str, int, dict[str, str]]) -> None:

@@ -8,7 +8,8 @@ trellis [--db PATH] [--read-only] [--export-root DIR] [--quiet] [--version] COMM
     | embed SPACE [--target nodes|tasks] [--create]
     | purge (--session ID ... | --task T) --yes
     | import FORMAT PATH | serve [--host H] [--port P] [--token T] [--allowed-host NAME] [--verify MOD:FN]
-      [--query-timeout S] [--memory-limit SIZE] [--tenant-reads N] [--max-reads N] [--read-wait S]
+      [--query-timeout S] [--memory-limit SIZE] [--token-reads N] [--tenant-reads N] [--max-reads N]
+      [--read-wait S]
     | token create --tenant T --role R [--name N] | token list [--tenant T] | token revoke NAME
 
 Global options go before or after the command (`trellis --db X log`, `trellis log --db X`); given
@@ -335,6 +336,9 @@ def build_parser() -> argparse.ArgumentParser:
                           "together, e.g. 4GiB (default: half the memory there is)")
     srv.add_argument("--tenant-reads", type=_count, default=TENANT_READS, metavar="N",
                      help=f"TQL and SQL queries running at once per tenant (default {TENANT_READS})")
+    srv.add_argument("--token-reads", type=_count, default=None, metavar="N",
+                     help="TQL and SQL queries one agent's or analyst's token may run at once (default: half "
+                          "--tenant-reads, at least 1)")
     srv.add_argument("--max-reads", type=_count, default=MAX_READS, metavar="N",
                      help=f"TQL and SQL queries running at once in all (default {MAX_READS})")
     srv.add_argument("--read-wait", type=float, default=READ_WAIT, metavar="SECONDS",
@@ -497,7 +501,7 @@ def _run(args: argparse.Namespace, path: str) -> int:
         serve(path, host=args.host, port=args.port, token=args.token, allowed_hosts=args.allowed_host,
               export_root=args.export_root, body_timeout=args.body_timeout, verify=verify,
               query_timeout=args.query_timeout, memory_limit=args.memory_limit, tenant_reads=args.tenant_reads,
-              max_reads=args.max_reads, read_wait=args.read_wait)
+              max_reads=args.max_reads, read_wait=args.read_wait, token_reads=args.token_reads)
         return 0
     if args.command == "token":
         return _token(args, path)
