@@ -33,7 +33,15 @@ its call, so threads in a few processes add little besides the calls' own CPU, w
 5. with ``--experiments``: figure 2's remote run with one server knob changed at a time (group
    commit window 0 and 5 ms, a 128-thread pool, a 0.5 ms GIL switch interval; ``--extra-path DIR``
    adds a run with DIR on the server's PYTHONPATH, e.g. ``pip install --target DIR httptools
-   uvloop``, which uvicorn then uses), each against the unchanged server measured just before it.
+   uvloop``, which uvicorn then uses), each against the unchanged server measured just before it;
+6. hostile reads (issue 35): ``--hostile-agents`` agents (an agent token) record light steps and
+   a poller asks ``/v1/health`` every 20 ms, in rounds of ``--hostile-seconds`` that alternate
+   unloaded and loaded; in a loaded round ``--hostile`` analyst clients (an analyst token, their
+   own process) each keep one long ``SELECT`` in flight (a ``range()`` cross join: hours of
+   DuckDB), sent again at once when it is refused (``BusyError``), hung up at the round's end.
+   Reported per round and as medians over rounds: health p50/p99, steps p50/p99 and steps/s,
+   server CPU, what became of the hostile queries; targets (issue 35): loaded health p99 <= 100 ms
+   and loaded steps p99 <= 2x unloaded.
 
 Also reported: CPU seconds per step in the server and in the client processes (on 2 cores the
 clients' HTTP work competes with the server's).
@@ -41,6 +49,7 @@ clients' HTTP work competes with the server's).
     .venv/bin/python benchmarks/bench_server.py --smoke
     .venv/bin/python benchmarks/bench_server.py --clients 64 --procs 4 --steps 50 --nodes 100000 --profile
     .venv/bin/python benchmarks/bench_server.py --skip 1,2,3 --experiments --extra-path /tmp/srv-extra
+    .venv/bin/python benchmarks/bench_server.py --skip 1,2,3 --hostile-rounds 3 --hostile-seconds 20
 """
 
 from __future__ import annotations
@@ -102,9 +111,11 @@ def _cpu_s(pid: int) -> float:
 # ------------------------------------------------------------------ the server
 @contextmanager
 def serving(path: Path, profile_out: Path | None = None, wrapper_args: tuple[str, ...] = (),
-            extra_path: str | None = None) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+            extra_path: str | None = None, probe: str | None = None
+            ) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
     """``trellis serve`` on ``path`` (``server_profile.py`` with ``profile_out`` and ``wrapper_args``;
-    ``extra_path`` on its PYTHONPATH): its url, its process."""
+    ``extra_path`` on its PYTHONPATH; ``probe``: a token its health is asked with): its url, its
+    process."""
     import httpx
 
     with socket.socket() as s:
@@ -125,7 +136,8 @@ def serving(path: Path, profile_out: Path | None = None, wrapper_args: tuple[str
         deadline = time.monotonic() + 60
         while True:
             try:
-                if httpx.get(f"{url}/v1/health").status_code == 200:
+                if httpx.get(f"{url}/v1/health", headers={"authorization": f"Bearer {probe}"} if probe else {}
+                             ).status_code == 200:
                     break
             except httpx.HTTPError:
                 time.sleep(0.1)
@@ -519,6 +531,189 @@ def experiments(work: Path, args: argparse.Namespace) -> tuple[dict[str, Any], l
     return out, lines
 
 
+# ------------------------------------------------------------------ hostile reads
+#: A long analyst query: a cross join of two ranges, hours of DuckDB in little memory.
+HOSTILE_SQL = "SELECT count(*) AS n FROM range(1000000000) a, range(100000) b"
+
+
+def _agents_proc(url: str, token: str, agents: list[int], cmds: Any, out: Any) -> None:
+    """One process of agents: a thread and a ``RemoteDatabase`` each. Their first step (the
+    session opened) before ``ready``; then per command ``seconds``: light steps until then, timed."""
+    try:
+        from trellisdb.client import RemoteDatabase
+
+        dbs = {i: RemoteDatabase(url, token=token) for i in agents}
+        last = {i: dbs[i].record_step(session=f"agent-{i}", task=TASK, agent="bench", **_step("light", i, 0))["id"]
+                for i in agents}
+        out.put({"ready": True})
+        k = 0
+        while (seconds := cmds.get()) is not None:
+            k += 1
+
+            def agent(i: int, until: float, k: int = k) -> list[float]:
+                lat, n = [], 0
+                while time.monotonic() < until:
+                    n += 1
+                    t0 = time.perf_counter()
+                    last[i] = dbs[i].record_step(session=f"agent-{i}", task=TASK, agent="bench", parents=[last[i]],
+                                                 **_step("light", i, k * 100_000 + n))["id"]
+                    lat.append(time.perf_counter() - t0)
+                return lat
+
+            until = time.monotonic() + seconds
+            with ThreadPoolExecutor(len(agents)) as pool:
+                lat = [x for xs in pool.map(agent, agents, [until] * len(agents)) for x in xs]
+            out.put({"lat": lat})
+        for db in dbs.values():
+            db.close()
+    except BaseException as e:
+        out.put({"error": f"{type(e).__name__}: {e}"})
+
+
+def _hostile_proc(url: str, token: str, clients: int, cmds: Any, out: Any) -> None:
+    """``clients`` analysts (threads, an ``httpx.Client`` each): per command ``seconds``, each keeps
+    one long query in flight until then (sent again when refused), then hangs up."""
+    try:
+        import httpx
+
+        hs = [httpx.Client(base_url=url, headers={"authorization": f"Bearer {token}"}) for _ in range(clients)]
+        out.put({"ready": True})
+        while (seconds := cmds.get()) is not None:
+            until = time.monotonic() + seconds
+
+            def analyst(h: httpx.Client, until: float = until) -> dict[str, int]:
+                seen: dict[str, int] = {}
+                while (left := until - time.monotonic()) > 0.05:
+                    try:
+                        r = h.post("/v1/sql", json={"sql": HOSTILE_SQL}, timeout=left)
+                        kind = r.json().get("error", "answered") if r.status_code != 200 else "answered"
+                    except httpx.TimeoutException:
+                        kind = "hung up (cancelled by the server)"
+                    except httpx.HTTPError as e:
+                        kind = f"{type(e).__name__}"
+                    seen[kind] = seen.get(kind, 0) + 1
+                return seen
+
+            with ThreadPoolExecutor(clients) as pool:
+                counts: dict[str, int] = {}
+                for seen in pool.map(analyst, hs):
+                    for kind, n in seen.items():
+                        counts[kind] = counts.get(kind, 0) + n
+            out.put({"outcomes": counts})
+        for h in hs:
+            h.close()
+    except BaseException as e:
+        out.put({"error": f"{type(e).__name__}: {e}"})
+
+
+def _settled(pid: int, timeout: float = 30.0) -> float:
+    """Wait until the server is idle (< 10% of a core over 0.5 s); seconds waited."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        c0 = _cpu_s(pid)
+        time.sleep(0.5)
+        if _cpu_s(pid) - c0 < 0.05:
+            break
+    return time.monotonic() - t0
+
+
+def hostile_reads(work: Path, args: argparse.Namespace) -> tuple[dict[str, Any], list[str]]:
+    """Figure 6 (see the module notes): steps and health with and without hostile reads."""
+    import httpx
+
+    import trellisdb
+    from trellisdb.tenants import Tokens
+
+    path = work / "f6-hostile.db"
+    trellisdb.connect(path).close()
+    tokens = Tokens(str(path))
+    analyst = tokens.create("default", "analyst", name="hostile-analyst")
+    agent = tokens.create("default", "agent", name="bench-agent")
+    rounds: list[dict[str, Any]] = []
+    with serving(path, probe=agent) as (url, server):
+        ctx = mp.get_context("spawn")
+        out: Any = ctx.Queue()
+        groups = [g for g in (list(range(p, args.hostile_agents, args.procs)) for p in range(args.procs)) if g]
+        agent_cmds = [ctx.Queue() for _ in groups]
+        hostile_cmds = ctx.Queue()
+        ps = [ctx.Process(target=_agents_proc, args=(url, agent, g, c, out)) for g, c in zip(groups, agent_cmds,
+                                                                                           strict=True)]
+        ps.append(ctx.Process(target=_hostile_proc, args=(url, analyst, args.hostile, hostile_cmds, out)))
+        for p in ps:
+            p.start()
+        for _ in ps:
+            _get(out)  # ready
+        health = httpx.Client(base_url=url, headers={"authorization": f"Bearer {agent}"}, timeout=30)
+        try:
+            for c in agent_cmds:  # a warm-up, not counted: the first commits, the mirror's first copies
+                c.put(2.0)
+            for _ in agent_cmds:
+                _get(out)
+            for r in range(2 * args.hostile_rounds):
+                loaded = r % 2 == 1
+                waited = _settled(server.pid)
+                load0, cpu0, t0 = os.getloadavg()[0], _cpu_s(server.pid), time.monotonic()
+                for c in agent_cmds:
+                    c.put(args.hostile_seconds)
+                if loaded:
+                    hostile_cmds.put(args.hostile_seconds)
+                lat: list[float] = []
+                while time.monotonic() - t0 < args.hostile_seconds:
+                    t1 = time.perf_counter()
+                    assert health.get("/v1/health").status_code == 200
+                    lat.append(time.perf_counter() - t1)
+                    time.sleep(0.02)
+                got = [_get(out) for _ in range(len(agent_cmds) + (1 if loaded else 0))]
+                steps = [x for g in got if "lat" in g for x in g["lat"]]
+                wall = time.monotonic() - t0
+                rounds.append({
+                    "loaded": loaded, "health_p50_ms": pct(lat, 50) * 1e3, "health_p99_ms": pct(lat, 99) * 1e3,
+                    "health_max_ms": max(lat) * 1e3, "health_calls": len(lat),
+                    "steps": len(steps), "steps_per_s": len(steps) / wall, "steps_p50_ms": pct(steps, 50) * 1e3,
+                    "steps_p99_ms": pct(steps, 99) * 1e3, "server_cores": (_cpu_s(server.pid) - cpu0) / wall,
+                    "loadavg_1m_before": load0, "settled_after_s": waited,
+                    "hostile": next((g["outcomes"] for g in got if "outcomes" in g), None)})
+                x = rounds[-1]
+                log(f"6. {'loaded' if loaded else 'unloaded'} round {r // 2 + 1}: health p99 {x['health_p99_ms']:.1f} "
+                    f"ms, steps p99 {x['steps_p99_ms']:.1f} ms ({x['steps_per_s']:.0f}/s), server "
+                    f"{x['server_cores']:.2f} cores{'; hostile: ' + str(x['hostile']) if loaded else ''}")
+        finally:
+            health.close()
+            for c in [*agent_cmds, hostile_cmds]:
+                c.put(None)
+            for p in ps:
+                p.join(timeout=60)
+    calm = [x for x in rounds if not x["loaded"]]
+    busy = [x for x in rounds if x["loaded"]]
+
+    def med(xs: list[dict[str, Any]], k: str) -> float:
+        return statistics.median(x[k] for x in xs)
+
+    def spread(xs: list[dict[str, Any]], k: str) -> str:
+        return f"{min(x[k] for x in xs):.1f}-{max(x[k] for x in xs):.1f}"
+
+    summary = {k: {"unloaded": med(calm, k), "loaded": med(busy, k)}
+               for k in ("health_p50_ms", "health_p99_ms", "steps_p50_ms", "steps_p99_ms", "steps_per_s", "server_cores")}
+    ratio = summary["steps_p99_ms"]["loaded"] / summary["steps_p99_ms"]["unloaded"]
+    meets = {"health_p99_le_100ms": summary["health_p99_ms"]["loaded"] <= 100, "steps_p99_le_2x": ratio <= 2}
+    lines = ["", f"6. hostile reads: {args.hostile} analyst clients each keeping a long SELECT (range() cross join) in "
+                 f"flight vs none; {args.hostile_agents} agents recording light steps, health every 20 ms; "
+                 f"{args.hostile_rounds} x 2 alternating rounds of {args.hostile_seconds:g} s; medians over rounds "
+                 "(min-max)",
+             "| | health p50 ms | health p99 ms | steps p50 ms | steps p99 ms | steps/s | server cores |",
+             "|---|---|---|---|---|---|---|"]
+    for name, xs in (("unloaded", calm), ("50 hostile reads" if args.hostile == 50 else f"{args.hostile} hostile reads",
+                                          busy)):
+        lines.append("| " + name + " | " + " | ".join(f"{med(xs, k):.1f} ({spread(xs, k)})" for k in (
+            "health_p50_ms", "health_p99_ms", "steps_p50_ms", "steps_p99_ms", "steps_per_s", "server_cores")) + " |")
+    lines += [f"hostile queries per loaded round: {[x['hostile'] for x in busy]}",
+              f"targets: loaded health p99 {summary['health_p99_ms']['loaded']:.1f} ms <= 100 ms: "
+              f"{'met' if meets['health_p99_le_100ms'] else 'MISSED'}; loaded steps p99 / unloaded = {ratio:.2f}x "
+              f"<= 2x: {'met' if meets['steps_p99_le_2x'] else 'MISSED'}",
+              f"load average (1 min) before each round: {[round(x['loadavg_1m_before'], 2) for x in rounds]}"]
+    return {"rounds": rounds, "summary": summary, "steps_p99_ratio": ratio, "meets": meets}, lines
+
+
 # ------------------------------------------------------------------ main
 def fmt_row(name: str, r: dict[str, Any], base: dict[str, Any] | None = None, note: str = "") -> str:
     ratio = f"**{r['steps_per_s'] / base['steps_per_s']:.2f}x**" if base else ""
@@ -539,12 +734,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--experiments", action="store_true", help="figure 5: server knobs, one at a time")
     p.add_argument("--extra-path", default=None,
                    help="figure 5: a folder put on the server's PYTHONPATH as one more variant (httptools, uvloop)")
-    p.add_argument("--skip", default="", help="comma-separated figures to leave out: 1,2,3")
+    p.add_argument("--hostile", type=int, default=50, help="figure 6: analyst clients keeping a long query in flight")
+    p.add_argument("--hostile-agents", type=int, default=16, help="figure 6: agents recording steps meanwhile")
+    p.add_argument("--hostile-rounds", type=int, default=3, help="figure 6: rounds of each kind (alternating)")
+    p.add_argument("--hostile-seconds", type=float, default=15.0, help="figure 6: seconds per round")
+    p.add_argument("--skip", default="", help="comma-separated figures to leave out: 1,2,3,6")
     p.add_argument("--out", default=str(HERE / "out" / "server.json"))
     args = p.parse_args(argv)
     if args.smoke:
         args.clients, args.procs, args.steps, args.writers, args.nodes, args.reps = 16, 2, 10, 2, 3000, 5
         args.profile = True
+        args.hostile_agents, args.hostile_rounds, args.hostile_seconds = 4, 1, 4.0
     skip = {s.strip() for s in args.skip.split(",") if s.strip()}
     total = args.clients * args.steps
     emb_steps = max(200, total)
@@ -614,6 +814,10 @@ def main(argv: list[str] | None = None) -> int:
             exp, exp_lines = experiments(work, args)
             results["5 experiments"] = exp
             lines += exp_lines
+        if "6" not in skip:
+            hos, hos_lines = hostile_reads(work, args)
+            results["6 hostile reads"] = hos
+            lines += hos_lines
     finally:
         shutil.rmtree(work, ignore_errors=True)
     results["loadavg_after"] = os.getloadavg()

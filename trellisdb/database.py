@@ -37,7 +37,7 @@ from trellisdb.errors import ValidationError
 from trellisdb.names import check_name, check_text, name_problem
 from trellisdb.paths import check_root, confined, default_root
 from trellisdb.progress import Steps
-from trellisdb.reader import commits_table
+from trellisdb.reader import QUERY_TIMEOUT, QueryScope, commits_table
 from trellisdb.result import Result
 from trellisdb.rules import commit_meta
 from trellisdb.snapshot import Reads, Snapshot
@@ -78,6 +78,8 @@ def connect(
     mirror: bool = True,
     auto_index: bool = True,
     keep_memory: int | None = None,
+    memory_limit: int | None = None,
+    query_timeout: float | None = QUERY_TIMEOUT,
     read_only: bool = False,
     export_root: str | os.PathLike[str] | None = None,
     provenance: str | None = DEFAULT_PROVENANCE,
@@ -100,7 +102,8 @@ def connect(
     local = {"embedding_dim": embedding_dim, "commit_delay": commit_delay, "max_batch_rows": max_batch_rows,
              "auto_compact": auto_compact, "compact_fragments": compact_fragments, "create": create,
              "mirror": mirror, "auto_index": auto_index, "keep_memory": keep_memory, "read_only": read_only,
-             "export_root": export_root, "provenance": provenance, "tenant": tenant}
+             "export_root": export_root, "provenance": provenance, "tenant": tenant, "memory_limit": memory_limit,
+             "query_timeout": query_timeout}
     if isinstance(target, str) and target.lower().startswith(("http://", "https://")):
         if tenant is not None:
             raise ValidationError("tenant: a served store's tenant is its token's (`trellis token create --tenant`)")
@@ -116,7 +119,7 @@ def connect(
     return open_local(target, embedding_dim=embedding_dim, commit_delay=commit_delay, max_batch_rows=max_batch_rows,
                       auto_compact=auto_compact, compact_fragments=compact_fragments, create=create, mirror=mirror,
                       auto_index=auto_index, keep_memory=keep_memory, read_only=read_only, export_root=export_root,
-                      provenance=provenance, tenant=tenant)
+                      provenance=provenance, tenant=tenant, memory_limit=memory_limit, query_timeout=query_timeout)
 
 
 def open_local(
@@ -131,6 +134,8 @@ def open_local(
     mirror: bool = True,
     auto_index: bool = True,
     keep_memory: int | None = None,
+    memory_limit: int | None = None,
+    query_timeout: float | None = QUERY_TIMEOUT,
     read_only: bool = False,
     export_root: str | os.PathLike[str] | None = None,
     provenance: str | None = DEFAULT_PROVENANCE,
@@ -179,6 +184,14 @@ def open_local(
     0: hand everything back). Up to that bound the process keeps its peak
     query memory until :meth:`Database.close`; a query right after a large
     one (a refresh after a materialization) runs up to 2x faster for it.
+
+    ``query_timeout`` (seconds, default 60; None: no limit) is how long a caller's query
+    (:meth:`Database.query`, :meth:`Database.sql`) may run: past it, it is stopped and raises
+    ``QueryTimeoutError`` (view statements, materialize, export and the store's own upkeep have
+    no limit). ``memory_limit`` (bytes; default half the memory DuckDB finds, RAM or the
+    cgroup's) is the most the store's query engine may use, its in-memory mirror and every
+    running query together: a query needing more is stopped with ``QueryMemoryError``
+    (nothing spills to disk). ``keep_memory`` is a share of it.
     """
     try:
         path = os.fspath(path)
@@ -202,6 +215,8 @@ def open_local(
         mirror=mirror,
         auto_index=auto_index,
         keep_memory=keep_memory,
+        memory_limit=memory_limit,
+        query_timeout=query_timeout,
         read_only=read_only,
         export_root=export_root,
         provenance=provenance,
@@ -233,13 +248,15 @@ class Database:
         mirror: bool = True,
         auto_index: bool = True,
         keep_memory: int | None = None,
+        memory_limit: int | None = None,
+        query_timeout: float | None = QUERY_TIMEOUT,
         read_only: bool = False,
         export_root: str | os.PathLike[str] | None = None,
         provenance: str | None = DEFAULT_PROVENANCE,
     ) -> None:
         check_name(provenance, "provenance", optional=True)
         self._store = Store(path, embedding_dim=embedding_dim, create=create, read_only=read_only, mirror=mirror,
-                            keep_memory=keep_memory)
+                            keep_memory=keep_memory, memory_limit=memory_limit, query_timeout=query_timeout)
         self.path = path
         self.read_only = self._store.read_only
         self.embedding_dim = self._store.embedding_dim
@@ -593,9 +610,11 @@ class Database:
 
         The text is one read-only query (``SELECT``, ``WITH``, ``EXPLAIN``) over those
         relations; anything else (writes, DDL, settings, file or extension access, internal
-        relations) raises ``QueryError`` (``trellisdb/usersql.py``).
+        relations) raises ``QueryError`` (``trellisdb/usersql.py``). It runs under the handle's
+        ``query_timeout`` (``QueryTimeoutError`` past it; see :meth:`query_scope`).
         """
-        return self._reads.at(as_of).sql(text, params)
+        with self._store.engine.bounded():
+            return self._reads.at(as_of).sql(text, params)
 
     def query(self, text: str, **params: Any) -> QueryResult:
         """Run a TQL query; ``$name`` in the text takes the value of ``name=...``.
@@ -621,7 +640,21 @@ class Database:
         from trellisdb.tql.run import run
 
         self.flush()  # a query sees this process's own acknowledged-to-be writes
-        return run(self._reads, self._vectors, self, text, params)
+        with self._store.engine.bounded():  # the handle's query_timeout, or the thread's scope (a server's)
+            return run(self._reads, self._vectors, self, text, params)
+
+    def query_scope(self) -> QueryScope:
+        """A scope for the queries a thread runs for one caller: ``with scope:`` around them (on
+        that thread), ``scope.cancel(reason)`` from any other stops the one running (a server
+        does when its client goes away); the time limit is the handle's ``query_timeout``,
+        counted from ``with``. Without one, each :meth:`query` and :meth:`sql` has its own."""
+        return self._store.engine.scope()
+
+    @property
+    def latest_commit(self) -> int:
+        """The last commit this handle has read from the log: no I/O, no flush (a health check's
+        answer; :meth:`snapshot` reads the log and flushes first)."""
+        return self._store.log.state.last_committed
 
     # ------------------------------------------------------------- maintenance
     def verify(self) -> list[str]:

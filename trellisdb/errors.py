@@ -112,6 +112,43 @@ class QueryError(TrellisError):
         self.query = query
 
 
+class QueryLimitError(QueryError):
+    """A query stopped at a limit of the store that opened it: its time limit
+    (:class:`QueryTimeoutError`), the engine's memory (:class:`QueryMemoryError`), or its
+    caller went away (:class:`QueryCancelledError`). The message names the limit and how to
+    raise it; ``limit`` names the option (``query_timeout``, ``memory_limit``, None for a
+    cancel)."""
+
+    #: the option that set the limit the query met (None: it was cancelled)
+    limit: str | None = None
+
+
+class QueryTimeoutError(QueryLimitError):
+    """A query ran past its time limit (``connect(query_timeout=...)``, ``trellis serve
+    --query-timeout``) and was stopped; the engine's threads are free again."""
+
+    limit = "query_timeout"
+
+
+class QueryMemoryError(QueryLimitError):
+    """A query needed more memory than the store's query engine may use (``connect(memory_limit=...)``,
+    ``trellis serve --memory-limit``) and was stopped."""
+
+    limit = "memory_limit"
+
+
+class QueryCancelledError(QueryLimitError):
+    """A query was stopped before it finished because its caller asked (``QueryScope.cancel``):
+    on a server, because the client went away."""
+
+
+class BusyError(TrellisError):
+    """A served store has no room for another read now: the caller's token's, its tenant's or the
+    server's reads are all running (``trellis serve --token-reads``, ``--tenant-reads``,
+    ``--max-reads``) and none finished within ``--read-wait``. Retry after a moment (HTTP 429 or
+    503, with ``Retry-After``)."""
+
+
 class CommitError(TrellisError):
     """A commit failed before its commit point (a full disk, an unwritable file); the writes it
     held are kept pending and retried by the next flush."""

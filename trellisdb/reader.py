@@ -20,18 +20,31 @@ DuckDB specifics stay in this module.
 from __future__ import annotations
 
 import contextlib
+import heapq
+import itertools
 import json
+import math
+import os
 import re
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from types import TracebackType
 from typing import Any
 
 import duckdb
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from trellisdb.errors import CorruptionError, QueryError, ValidationError
+from trellisdb.errors import (
+    CorruptionError,
+    QueryCancelledError,
+    QueryError,
+    QueryLimitError,
+    QueryMemoryError,
+    QueryTimeoutError,
+    ValidationError,
+)
 from trellisdb.graph import Adjacency
 from trellisdb.names import utf8_problem
 from trellisdb.schema import COMMITS_SCHEMA, DATA_TABLES, HIDDEN, KEYS, SEQ_SQL
@@ -52,11 +65,24 @@ DUCKDB_CONFIG: dict[str, str | bool | int | float | list[str]] = {
     # at open did not; the compressed one made a 1M-node view refresh ~25% slower (string-key
     # semi-joins decode every value), for about half the memory (0.9 GiB vs 1.7 GiB at 1M nodes).
     "force_compression": "uncompressed",
+    # Nothing spills to disk: a query past the memory limit fails (QueryMemoryError) instead of
+    # writing temporary files under the process's working folder (DuckDB's default for an
+    # in-memory database), up to 90% of the disk.
+    "temp_directory": "",
 }
 
 #: The share of DuckDB's memory limit that its block allocator keeps mapped between queries
 #: (``SqlEngine``'s ``keep_memory`` default).
 KEEP_MEMORY_SHARE = 0.5
+
+#: Seconds a caller's query (``db.query``, ``db.sql``) may run by default (``query_timeout``).
+QUERY_TIMEOUT = 60.0
+#: The share of the memory DuckDB finds (RAM, or the cgroup's limit) that one store's engine may
+#: use by default (``memory_limit``). DuckDB's own default is 80%, of which some operators
+#: overshoot, for one process; a server holds an engine per tenant.
+MEMORY_SHARE = 0.5
+#: The smallest ``memory_limit`` accepted: below it DuckDB cannot set up the views.
+MIN_MEMORY = 64 << 20
 
 _SIZE = re.compile(r"^\s*([0-9.]+)\s*(bytes|B|KB|MB|GB|TB|PB|KiB|MiB|GiB|TiB|PiB)\s*$")
 _UNITS = {"bytes": 1, "B": 1, **{u: 1000 ** (i + 1) for i, u in enumerate(("KB", "MB", "GB", "TB", "PB"))},
@@ -238,6 +264,187 @@ def _superseded_since(name: str, source: str, done: int, snapshot: int, aborted:
     )
 
 
+#: The scope of the caller's queries running on this thread (``QueryScope``), if any.
+_scoped = threading.local()
+
+
+def active_scope() -> QueryScope | None:
+    """The :class:`QueryScope` the statements of this thread run under (None: none)."""
+    scope: QueryScope | None = getattr(_scoped, "scope", None)
+    return scope
+
+
+@contextlib.contextmanager
+def unbounded() -> Iterator[None]:
+    """The database's own work inside a caller's call (a view statement: materialize, export),
+    run outside the thread's scope: no time limit, no cancel."""
+    outer = active_scope()
+    _scoped.scope = None
+    try:
+        yield
+    finally:
+        _scoped.scope = outer
+
+
+class QueryScope:
+    """What bounds a caller's queries on one thread: a time limit, and a cancel from any thread.
+
+    ``db.query`` and ``db.sql`` run under one (the store's ``query_timeout``), or under the one
+    the thread is already in: a server makes the scope, runs the call inside it on a worker
+    thread, and cancels it from the event loop when the client goes away.
+
+    >>> scope = QueryScope(timeout=0.2)
+    >>> with scope:                              # the clock starts here
+    ...     pass                                 # db.query(...): its statements run under the scope
+    >>> scope.cancel("the client went away")     # from another thread: the statement running stops
+
+    Only the caller's statements are interrupted, never the engine's own upkeep (the mirror's
+    copies); a statement that would start once the scope is stopped raises at once. Work outside
+    DuckDB (a vector search in Lance, a walk over the adjacency) is not interrupted: the next
+    statement is where it stops."""
+
+    def __init__(self, timeout: float | None = QUERY_TIMEOUT) -> None:
+        self.timeout = check_timeout(timeout)
+        #: when the time is up (``time.monotonic``; None until entered, or with no time limit)
+        self.deadline: float | None = None
+        #: why the scope's queries stop: ``"timeout"``, a cancel's reason (None: they run)
+        self.stopped: str | None = None
+        self._lock = threading.Lock()
+        self._con: duckdb.DuckDBPyConnection | None = None  # the caller's statement running now
+        self._outer: QueryScope | None = None
+        self._active = False
+
+    def __enter__(self) -> QueryScope:
+        self._outer, _scoped.scope = active_scope(), self
+        with self._lock:
+            self._active = True
+            if self.timeout is not None:
+                self.deadline = time.monotonic() + self.timeout
+        if self.deadline is not None:
+            _WATCHDOG.watch(self, self.deadline)
+        return self
+
+    def __exit__(self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None) -> None:
+        with self._lock:
+            self._active = False
+        _scoped.scope, self._outer = self._outer, None
+
+    def cancel(self, reason: str = "it was cancelled") -> None:
+        """Stop the scope's queries: the statement running now is interrupted (it raises
+        ``QueryCancelledError`` with ``reason``), and no other starts. Any thread may call it."""
+        self._stop(reason)
+        _WATCHDOG.watch(self, time.monotonic() + _REINTERRUPT)
+
+    def check(self) -> None:
+        """Raise the scope's error if it is stopped (or its time is up)."""
+        with self._lock:
+            if self.stopped is None and self.deadline is not None and time.monotonic() >= self.deadline:
+                self.stopped = "timeout"
+            if self.stopped is not None:
+                raise self.error()
+
+    @contextlib.contextmanager
+    def running(self, con: duckdb.DuckDBPyConnection) -> Iterator[None]:
+        """A caller's statement on ``con``: interruptible by the scope while it runs."""
+        self.check()
+        with self._lock:
+            self._con = con
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._con = None
+
+    def error(self) -> QueryLimitError:
+        """The error a statement stopped by this scope raises."""
+        if self.stopped == "timeout":
+            return QueryTimeoutError(
+                f"the query ran past its time limit of {self.timeout:g} s and was stopped (query_timeout); narrow "
+                "it (a WHERE, a LIMIT) or raise the limit where the store is opened: trellisdb.connect(path, "
+                "query_timeout=SECONDS), trellis serve --query-timeout SECONDS")
+        return QueryCancelledError(f"the query was stopped before it finished: {self.stopped or 'it was cancelled'}")
+
+    def _stop(self, reason: str) -> None:
+        with self._lock:
+            if self.stopped is None:
+                self.stopped = reason
+            con = self._con
+        if con is not None:
+            with contextlib.suppress(duckdb.Error):  # closed meanwhile: nothing runs on it
+                con.interrupt()
+
+    def tick(self, now: float) -> float | None:
+        """The watchdog's look: stop the scope once its time is up, interrupt its statement again
+        while one still runs (an interrupt that came before DuckDB began it is lost); when to
+        look next (None: never)."""
+        with self._lock:
+            if not self._active:
+                return None
+            if self.stopped is None:
+                if self.deadline is None or now < self.deadline:
+                    return self.deadline
+                self.stopped = "timeout"
+            con = self._con
+        if con is None:
+            return None  # nothing runs; the next statement raises at its start
+        con.interrupt()
+        return now + _REINTERRUPT
+
+
+#: Seconds between interrupts of a stopped scope's statement that still runs.
+_REINTERRUPT = 0.05
+
+
+def check_timeout(timeout: object, name: str = "query_timeout") -> float | None:
+    """``timeout`` as seconds > 0 (None: no limit), or ``ValidationError`` naming ``name``."""
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not math.isfinite(timeout) \
+            or timeout <= 0:
+        raise ValidationError(f"{name} must be seconds > 0 (or None for no limit), not {timeout!r}")
+    return float(timeout)
+
+
+class _Watchdog:
+    """One thread per process that stops scopes whose time is up (``QueryScope.tick``)."""
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        """Start empty, with no thread (also in a forked child, whose thread did not come along)."""
+        self._cv = threading.Condition()
+        self._heap: list[tuple[float, int, QueryScope]] = []
+        self._seq = itertools.count()
+        self._thread: threading.Thread | None = None
+
+    def watch(self, scope: QueryScope, when: float) -> None:
+        with self._cv:
+            heapq.heappush(self._heap, (when, next(self._seq), scope))
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="trellisdb-query-watchdog", daemon=True)
+                self._thread.start()
+            if self._heap[0][2] is scope:
+                self._cv.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not self._heap or self._heap[0][0] > time.monotonic():
+                    self._cv.wait(None if not self._heap else self._heap[0][0] - time.monotonic())
+                _, _, scope = heapq.heappop(self._heap)
+            try:
+                later = scope.tick(time.monotonic())
+            except duckdb.Error:  # the connection is closed: nothing runs on it
+                later = None
+            if later is not None:
+                self.watch(scope, later)
+
+
+_WATCHDOG = _Watchdog()
+os.register_at_fork(after_in_child=_WATCHDOG.reset)
+
+
 class SqlEngine:
     """One in-memory DuckDB database per open store; one connection (cursor)
     per thread, re-pointed at a snapshot per query.
@@ -262,18 +469,30 @@ class SqlEngine:
     that followed a full materialization spent up to 0.1 s of system time
     doing so (0.13-0.22 s against 0.08 s for the same statement, 1M nodes).
     The process keeps its peak DuckDB memory up to that bound until ``close``.
+
+    ``memory_limit`` (bytes; None: ``MEMORY_SHARE`` of the memory DuckDB finds) is the most
+    the engine may use, the mirror and every running query together (DuckDB has no per-query
+    bound: its limit is per database, here per store); a query needing more raises
+    ``QueryMemoryError``. Nothing spills to disk (``DUCKDB_CONFIG``). ``query_timeout``
+    (seconds; None: no limit) is the default time limit of a caller's query (:meth:`scope`,
+    :class:`QueryScope`).
     """
 
     def __init__(
-        self, tables: LanceTables, top: Callable[[], int], mirror: bool = True, keep_memory: int | None = None
+        self, tables: LanceTables, top: Callable[[], int], mirror: bool = True, keep_memory: int | None = None,
+        memory_limit: int | None = None, query_timeout: float | None = QUERY_TIMEOUT,
     ) -> None:
         self._tables = tables
         #: the highest commit id begun, read from the log now
         self._top = top
         #: tables served from the mirror (none when ``mirror`` is off: every query scans Lance)
         self.mirrored = frozenset(DATA_TABLES) if mirror else frozenset()
+        #: the time limit of a caller's query (seconds; None: none)
+        self.query_timeout = check_timeout(query_timeout)
         self._local = threading.local()
         self._db = duckdb.connect(config=DUCKDB_CONFIG)
+        #: the bytes the engine may use (see the class notes)
+        self.memory_limit = self._limit_memory(memory_limit)
         #: the bytes DuckDB's block allocator keeps (see the class notes)
         self.kept_memory = self._keep_memory(keep_memory)
         self._db.execute("SET lock_configuration = true")  # no statement may change a setting from here on
@@ -295,6 +514,34 @@ class SqlEngine:
         self._purge_seen = 0
         #: the ``commits`` relation, shared by the threads' connections
         self._commits = CommitsRelation()
+
+    def _limit_memory(self, limit: int | None) -> int:
+        """Cap DuckDB's memory at ``limit`` bytes (None: ``MEMORY_SHARE`` of what it finds); the
+        bytes. (Nothing spills to disk: ``DUCKDB_CONFIG``.)"""
+        if limit is None:
+            found = size_bytes(str(self._db.sql("SELECT current_setting('memory_limit')").fetchall()[0][0]))
+            limit = max(MIN_MEMORY, int((found or 0) / 0.8 * MEMORY_SHARE))  # DuckDB's default: 80% of it
+        elif limit < MIN_MEMORY:
+            raise ValidationError(f"memory_limit={limit} is below the {MIN_MEMORY >> 20} MiB the engine needs; "
+                                  "pass more (or None)")
+        self._db.execute(f"SET memory_limit = '{int(limit)} bytes'")
+        return int(limit)
+
+    def scope(self) -> QueryScope:
+        """A new scope for a caller's queries, with the engine's ``query_timeout``; enter it on
+        the thread that runs them (:class:`QueryScope`)."""
+        return QueryScope(self.query_timeout)
+
+    @contextlib.contextmanager
+    def bounded(self) -> Iterator[QueryScope]:
+        """The caller's queries of this block, bounded: under the scope this thread is in already
+        (a server's, with its cancel), else under a new one with the engine's ``query_timeout``."""
+        outer = active_scope()
+        if outer is not None:
+            yield outer
+            return
+        with self.scope() as scope:
+            yield scope
 
     def _keep_memory(self, keep: int | None) -> int:
         """Let DuckDB's block allocator keep ``keep`` bytes (None: the default share of its
@@ -701,15 +948,29 @@ class SqlEngine:
         tables: Sequence[str] = DATA_TABLES,
         relations: Mapping[str, pa.Table] | None = None,
     ) -> pa.Table:
-        """Rows of ``text`` as of ``snapshot``; ``relations`` are Arrow tables the text may read by name."""
+        """Rows of ``text`` as of ``snapshot``; ``relations`` are Arrow tables the text may read by
+        name. Under a :class:`QueryScope` (the thread's) the statement is stopped at its limits."""
+        scope = active_scope()
+        if scope is not None:
+            scope.check()
         con = self.prepare(state, snapshot, tables)
         for name, t in (relations or {}).items():
             con.register(name, t)
         try:
-            rel = con.sql(text, params=params)
-            if rel is None:  # a statement without a result (DDL, SET)
-                return pa.table({})
-            return rel.to_arrow_table()
+            with scope.running(con) if scope is not None else contextlib.nullcontext():
+                rel = con.sql(text, params=params)
+                if rel is None:  # a statement without a result (DDL, SET)
+                    return pa.table({})
+                return rel.to_arrow_table()
+        except duckdb.InterruptException:
+            raise (scope.error() if scope is not None else QueryCancelledError(
+                "the query was interrupted before it finished")) from None
+        except duckdb.OutOfMemoryException:
+            raise QueryMemoryError(
+                f"the query needed more memory than the store's query engine may use ({self.memory_limit / 2**20:,.0f} "
+                "MiB: memory_limit, for the mirror and every running query together) and was stopped; narrow it "
+                "(a WHERE, fewer groups, a LIMIT) or raise the limit where the store is opened: "
+                "trellisdb.connect(path, memory_limit=BYTES), trellis serve --memory-limit SIZE") from None
         except duckdb.IOException as e:
             raise CorruptionError(
                 f"reading the tables failed: {e}; run `trellis verify` to find the damaged file"

@@ -27,27 +27,48 @@ durable takes a ticket, one committer thread flushes a couple of milliseconds af
 ticket it has not covered, and each call returns once the flush covering it is done.
 
 Requests larger than ``max_body`` bytes are refused (413) before they are read whole; errors are
-JSON ``{"error": <class>, "message": ...}`` with 400 (bad input), 401 (no, unknown or expired token), 403
-(role, read-only store, another agent's session or node, another token's transaction), 408 (a body
-trickled in too slowly), 413, 500 (a damaged store, a bug). With tokens, every request must carry
-``Authorization: Bearer <token>`` (the scheme in any case; nothing else is read as a token).
-Connections are bounded by ``trellisdb/http_limits.py`` (headers within a timeout, idle ones
-closed, at most so many open at once).
+JSON ``{"error": <class>, "message": ...}`` with 400 (bad input, a query past its limits), 401 (no,
+unknown or expired token), 403 (role, read-only store, another agent's session or node, another
+token's transaction), 408 (a body trickled in too slowly), 413, 429 / 503 (the token's or tenant's
+/ the server's reads are all running: ``BusyError``, with ``Retry-After``), 500 (a damaged store, a
+bug). With tokens, every request must carry ``Authorization: Bearer <token>`` (the scheme in any
+case; nothing else is read as a token). Connections are bounded by ``trellisdb/http_limits.py``
+(headers within a timeout, idle ones closed, at most so many open at once).
+
+Reads cannot starve the rest: TQL and SQL (``/v1/query``, ``/v1/sql``) run in worker threads of
+their own, at a lower CPU priority, at most ``token_reads`` per agent's or analyst's token,
+``tenant_reads`` per tenant and ``max_reads`` in all; one that finds them taken waits up to
+``read_wait`` seconds, then is refused (``BusyError``). Each runs under the store's
+``query_timeout`` and ``memory_limit`` (``reader.QueryScope``), and is interrupted when its
+client goes away. Steps and the other writes have their own threads; health is answered on the
+event loop.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import io
 import json
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+import os
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 
 from trellisdb import wire
-from trellisdb.errors import AccessError, CorruptionError, ReadOnlyError, TrellisError, ValidationError
+from trellisdb.errors import (
+    AccessError,
+    CorruptionError,
+    QueryCancelledError,
+    ReadOnlyError,
+    TrellisError,
+    ValidationError,
+)
 from trellisdb.http_limits import HEADER_TIMEOUT, KEEP_ALIVE, MAX_CONNECTIONS
+from trellisdb.reader import QUERY_TIMEOUT
 from trellisdb.service import Caller, Service, Services, Verify, field, need_of_call, result_table
 
 if TYPE_CHECKING:
@@ -65,14 +86,28 @@ MAX_BODY = 16 << 20
 BODY_TIMEOUT = 30.0
 #: Media type of an Arrow IPC stream.
 ARROW_STREAM = "application/vnd.apache.arrow.stream"
+#: Reads (TQL, SQL) running at once, per tenant and in all; seconds one waits for a turn.
+TENANT_READS = max(2, os.cpu_count() or 1)
+MAX_READS = max(4, 2 * (os.cpu_count() or 1))
+READ_WAIT = 10.0
+
+
+def token_reads_of(tenant_reads: int) -> int:
+    """Reads one agent's or analyst's token may run at once by default: half its tenant's turns
+    (at least one), so that one caller's long queries leave the others a turn. An admin's token
+    is not held to it."""
+    return max(1, tenant_reads // 2)
+
+#: Worker threads for steps and the other writes (anyio's default pool is the rest's).
+WRITE_THREADS = 40
 
 
 class HttpError(Exception):
     """An error with its HTTP status (raised by the handlers, turned into a JSON response)."""
 
-    def __init__(self, status: int, kind: str, message: str) -> None:
+    def __init__(self, status: int, kind: str, message: str, headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
-        self.status, self.kind = status, kind
+        self.status, self.kind, self.headers = status, kind, headers
 
 
 def _status(e: TrellisError) -> int:
@@ -149,12 +184,18 @@ async def _body(request: Request, limit: int, timeout: float) -> dict[str, Any]:
 
 def build_app(db: Database, *, token: str | None = None, max_body: int = MAX_BODY, host: str = "127.0.0.1",
               allowed_hosts: Sequence[str] | None = None, body_timeout: float = BODY_TIMEOUT,
-              verify: Verify | None = None) -> Starlette:
+              verify: Verify | None = None, tenant_reads: int = TENANT_READS, max_reads: int = MAX_READS,
+              read_wait: float = READ_WAIT, token_reads: int | None = None,
+              store_options: Mapping[str, Any] | None = None) -> Starlette:
     """The HTTP application serving ``db`` and its tenants (see the module notes): the REST routes
     under ``/v1`` and MCP at ``/mcp``. ``host`` is the address it is bound to and ``allowed_hosts``
     the names clients may reach it by (MCP's DNS-rebinding check; ``trellisdb/mcp_server.py``);
     ``body_timeout`` the seconds a request body may take to arrive; ``verify`` the
-    verify-before-insert hook every node an agent writes passes (``service.py``)."""
+    verify-before-insert hook every node an agent writes passes (``service.py``);
+    ``token_reads`` (None: :func:`token_reads_of` ``tenant_reads``), ``tenant_reads``, ``max_reads``
+    and ``read_wait`` the admission of reads (the module notes);
+    ``store_options`` what the tenants' stores are opened with (``open_local``'s options:
+    ``query_timeout``, ``memory_limit``; ``db`` is opened by the caller)."""
     import anyio
     from starlette.applications import Starlette
     from starlette.concurrency import run_in_threadpool
@@ -164,7 +205,73 @@ def build_app(db: Database, *, token: str | None = None, max_body: int = MAX_BOD
 
     from trellisdb.mcp_server import McpHttp, http_app
 
-    services = Services(db, token=token, verify=verify)
+    token_reads = token_reads_of(tenant_reads) if token_reads is None else token_reads
+    for name, n in (("token_reads", token_reads), ("tenant_reads", tenant_reads), ("max_reads", max_reads)):
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValidationError(f"{name} must be a whole number >= 1, not {n!r}")
+    services = Services(db, token=token, verify=verify, options=store_options)
+    # reads (TQL, SQL) and writes each on threads of their own: neither can take the other's; the
+    # reads' run at a lower CPU priority, so that a core busy with them still serves steps and health
+    read_threads = ThreadPoolExecutor(max_reads, thread_name_prefix="trellisdb-read", initializer=_lower_priority)
+    write_threads = anyio.CapacityLimiter(WRITE_THREADS)
+    all_reads = anyio.CapacityLimiter(max_reads)
+    tenant_slots: dict[str, anyio.CapacityLimiter] = {}
+    token_slots: dict[tuple[str, str], anyio.CapacityLimiter] = {}
+
+    async def turn(limiter: anyio.CapacityLimiter, wait: float, status: int, whose: str, option: str) -> None:
+        """A turn to read, waited for at most ``wait`` seconds (else ``BusyError``)."""
+        try:
+            with anyio.fail_after(wait):
+                await limiter.acquire()
+        except TimeoutError:
+            raise HttpError(status, "BusyError", f"the {limiter.total_tokens:g} queries {whose} runs at once are all "
+                                                 f"running and none finished within {read_wait:g} s; retry in a "
+                                                 f"moment (trellis serve {option} N allows more)",
+                            {"Retry-After": "1"}) from None
+
+    async def read(request: Request, service: Service, who: Principal, work: Callable[[], pa.Table]) -> pa.Table:
+        """``work`` (a read) once the tenant and the server have a turn for it, in a read thread
+        under a query scope of the tenant's store (its time limit), cancelled when the client
+        goes away (while it waits for a turn too)."""
+        scope = service.db.query_scope()
+        done: list[pa.Table] = []
+        failed: list[Exception] = []  # raised after the task group (which would wrap it in a group)
+
+        def scoped() -> pa.Table:
+            with scope:
+                return work()
+
+        async with anyio.create_task_group() as tg:
+            async def watch() -> None:  # the body is read: the next message is the client leaving
+                while (await request.receive())["type"] != "http.disconnect":
+                    pass
+                scope.cancel("the client went away")
+                tg.cancel_scope.cancel()
+
+            tg.start_soon(watch)
+            turns = [(tenant_slots.setdefault(who.tenant, anyio.CapacityLimiter(tenant_reads)), 429,
+                      f"tenant {who.tenant!r}", "--tenant-reads"), (all_reads, 503, "the server", "--max-reads")]
+            if not who.may("admin"):  # one caller's turns, then its tenant's, then the server's
+                turns.insert(0, (token_slots.setdefault((who.tenant, who.name), anyio.CapacityLimiter(token_reads)),
+                                 429, f"token {who.name!r}", "--token-reads"))
+            until = anyio.current_time() + read_wait
+            try:
+                async with contextlib.AsyncExitStack() as held:
+                    for limiter, status, whose, option in turns:
+                        await turn(limiter, max(0.0, until - anyio.current_time()), status, whose, option)
+                        held.callback(limiter.release)
+                    running = asyncio.wrap_future(read_threads.submit(scoped))
+                    with anyio.CancelScope(shield=True):  # a cancel interrupts it: wait for its end
+                        done.append(await running)
+            except Exception as e:
+                failed.append(e)
+            finally:
+                tg.cancel_scope.cancel()
+        if failed:
+            raise failed[0]
+        if not done:  # the client went away: nobody reads this
+            raise QueryCancelledError("the client went away")
+        return done[0]
 
     def caller(authorization: str | None, need: str) -> Principal:
         try:
@@ -187,7 +294,7 @@ def build_app(db: Database, *, token: str | None = None, max_body: int = MAX_BOD
                     service = await run_in_threadpool(services.service, who.tenant)
                 return await handler(request, service, who)
             except HttpError as e:
-                return JSONResponse({"error": e.kind, "message": str(e)}, status_code=e.status)
+                return JSONResponse({"error": e.kind, "message": str(e)}, status_code=e.status, headers=e.headers)
             except TrellisError as e:
                 return JSONResponse({"error": type(e).__name__, "message": str(e)}, status_code=_status(e))
             except Exception as e:  # a bug: say so without the traceback, keep serving
@@ -196,15 +303,17 @@ def build_app(db: Database, *, token: str | None = None, max_body: int = MAX_BOD
         return endpoint
 
     async def health(request: Request, service: Service, who: Principal) -> Response:
-        return _json({**await run_in_threadpool(service.health), "tenant": who.tenant, "role": who.role})
+        # on the event loop, no thread: it answers however busy the worker threads are
+        return _json({**service.health(), "tenant": who.tenant, "role": who.role})
 
     async def query(request: Request, service: Service, who: Principal) -> Response:
         body = await _body(request, max_body, body_timeout)  # (the statement's role: checked by the service)
-        return _table_response(await run_in_threadpool(service.query, body, who), body.get("format"))
+        return _table_response(await read(request, service, who, lambda: service.query(body, who)),
+                               body.get("format"))
 
     async def sql(request: Request, service: Service, who: Principal) -> Response:
         body = await _body(request, max_body, body_timeout)
-        return _table_response(await run_in_threadpool(service.sql, body), body.get("format"))
+        return _table_response(await read(request, service, who, lambda: service.sql(body)), body.get("format"))
 
     async def log(request: Request, service: Service, who: Principal) -> Response:
         return _json(await run_in_threadpool(service.log))
@@ -218,7 +327,7 @@ def build_app(db: Database, *, token: str | None = None, max_body: int = MAX_BOD
             body = wire.decode(await _body(request, max_body, body_timeout))
             if need is not None:
                 caller(request.headers.get("authorization"), need(body))
-            out = await run_in_threadpool(work, service, body, who)
+            out = await anyio.to_thread.run_sync(lambda: work(service, body, who), limiter=write_threads)
             table = result_table(out)
             return _table_response(table, "arrow") if table is not None else _json(out)
         return handler
@@ -227,13 +336,13 @@ def build_app(db: Database, *, token: str | None = None, max_body: int = MAX_BOD
         """A whole step: staged in a worker thread, then awaited on the loop until its group
         commit is durable (no thread held while it waits)."""
         body = wire.decode(await _body(request, max_body, body_timeout))
-        out, ticket = await run_in_threadpool(service.stage_step, body, who)
+        out, ticket = await anyio.to_thread.run_sync(lambda: service.stage_step(body, who), limiter=write_threads)
         return _json({**out, "commit": await service.durable_async(ticket)})
 
     async def flush(request: Request, service: Service, who: Principal) -> Response:
         body = wire.decode(await _body(request, max_body, body_timeout))
         if body.get("meta") is not None:  # a commit carrying run state: its own
-            return _json(await run_in_threadpool(service.flush, body, who))
+            return _json(await anyio.to_thread.run_sync(lambda: service.flush(body, who), limiter=write_threads))
         return _json(await service.durable_async(service.ticket()))
 
     def tokens(work: Callable[[Principal, dict[str, Any]], Any]) -> Callable[[Request, Service, Principal],
@@ -352,19 +461,42 @@ def build_app(db: Database, *, token: str | None = None, max_body: int = MAX_BOD
             finally:
                 tg.cancel_scope.cancel()
                 await run_in_threadpool(services.close)
+                read_threads.shutdown(wait=False)
 
     return Starlette(routes=routes, lifespan=lifespan)
+
+
+#: How much lower the reads' threads run (``nice``; Linux: a thread's own priority).
+READ_NICE = 10
+
+
+def _lower_priority() -> None:
+    """Lower this thread's CPU priority by ``READ_NICE`` (Linux only: elsewhere it would be the
+    process's). A read thread holds it for its life: an unprivileged thread cannot raise it again."""
+    import sys
+    import threading
+
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError):
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), os.getpriority(os.PRIO_PROCESS, 0) + READ_NICE)
+
+
+_ROLE_HELP = ("agent: read, and write its own sessions; analyst: read; admin: also any session, views, exports, "
+              "tags, ingest, quarantine, purge, tokens")
 
 
 def serve(path: str, *, host: str = "127.0.0.1", port: int = 7437, token: str | None = None,
           max_body: int = MAX_BODY, allowed_hosts: Sequence[str] | None = None,
           export_root: str | None = None, body_timeout: float = BODY_TIMEOUT, verify: Verify | None = None,
           header_timeout: float = HEADER_TIMEOUT, keep_alive: int = KEEP_ALIVE,
-          max_connections: int = MAX_CONNECTIONS) -> None:
+          max_connections: int = MAX_CONNECTIONS, query_timeout: float | None = QUERY_TIMEOUT,
+          memory_limit: int | None = None, tenant_reads: int = TENANT_READS, max_reads: int = MAX_READS,
+          read_wait: float = READ_WAIT, token_reads: int | None = None) -> None:
     """Open the store at ``path`` and serve it (and its tenants) until interrupted (``trellis serve``).
     ``header_timeout``: seconds a client has to send a request's headers; ``keep_alive``: seconds
     an idle connection is kept after a response; ``max_connections``: connections open at once
-    (``trellisdb/http_limits.py``)."""
+    (``trellisdb/http_limits.py``); ``query_timeout`` and ``memory_limit`` are every tenant's
+    store's (``open_local``)."""
     import uvicorn
 
     from trellisdb.database import open_local
@@ -375,8 +507,10 @@ def serve(path: str, *, host: str = "127.0.0.1", port: int = 7437, token: str | 
             raise ValidationError(f"{name} must be seconds above 0, got {value!r}")
     if max_connections < 1:
         raise ValidationError(f"max_connections must be at least 1, got {max_connections!r}")
-    with open_local(path, export_root=export_root) as db:
+    limits = {"query_timeout": query_timeout, "memory_limit": memory_limit}
+    with open_local(path, export_root=export_root, query_timeout=query_timeout, memory_limit=memory_limit) as db:
         app = build_app(db, token=token, max_body=max_body, host=host, allowed_hosts=allowed_hosts,
-                        body_timeout=body_timeout, verify=verify)
+                        body_timeout=body_timeout, verify=verify, tenant_reads=tenant_reads, max_reads=max_reads,
+                        read_wait=read_wait, token_reads=token_reads, store_options=limits)
         uvicorn.run(app, host=host, port=port, log_level="warning", http=bounded(header_timeout, max_connections),
                     timeout_keep_alive=keep_alive)

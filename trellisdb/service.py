@@ -275,7 +275,8 @@ class Service:
 
     # ------------------------------------------------------------ reads
     def health(self) -> dict[str, Any]:
-        return {"ok": True, "commit": self.db.snapshot().commit}
+        """Answered from memory (no I/O, no flush): an event loop may call it."""
+        return {"ok": True, "commit": self.db.latest_commit}
 
     def query(self, body: Mapping[str, Any], who: Principal | None = None) -> pa.Table:
         """TQL for ``who``: every door's TQL (``/v1/query``, MCP's tools) comes here, so each
@@ -704,10 +705,11 @@ class Services:
     (``trellisdb/tenants.py``).
 
     ``token``: one shared token (``trellis serve --token``), the default tenant's admin. With
-    neither it nor a token in the registry, the server is open: every caller is that admin."""
+    neither it nor a token in the registry, the server is open: every caller is that admin.
+    ``options``: what the tenants' stores are opened with (``open_local``'s, e.g. ``query_timeout``)."""
 
     def __init__(self, db: Database, *, token: str | None = None, window: float = WINDOW,
-                 verify: Verify | None = None) -> None:
+                 verify: Verify | None = None, options: Mapping[str, Any] | None = None) -> None:
         from trellisdb.tenants import DEFAULT_TENANT, Tokens
 
         self.root = db.path
@@ -715,6 +717,7 @@ class Services:
         self._token = token
         self._window = window
         self._verify = verify
+        self._options = dict(options or {})
         self._lock = threading.Lock()
         self._services: dict[str, Service] = {DEFAULT_TENANT: Service(db, window=window, verify=verify)}
         self._opened: list[Database] = []
@@ -761,7 +764,7 @@ class Services:
                 if not self.tokens.has_tenant(tenant):  # purged while this request was on its way
                     raise AccessError(f"tenant {tenant!r} has no tokens (it was purged); make one with "
                                       "`trellis token create`")
-                db = open_local(tenant_path(self.root, tenant))
+                db = open_local(tenant_path(self.root, tenant), **self._options)
                 self._opened.append(db)
                 s = self._services[tenant] = Service(db, window=self._window, verify=self._verify)
             return s

@@ -20,7 +20,7 @@ import os
 import shutil
 
 from trellisdb.errors import CorruptionError, FormatVersionError, NotADatabaseError, ReadOnlyError, ValidationError
-from trellisdb.reader import SqlEngine
+from trellisdb.reader import QUERY_TIMEOUT, SqlEngine, check_timeout
 from trellisdb.schema import DATA_TABLES, FORMAT_VERSION
 from trellisdb.storage import log as commit_log
 from trellisdb.storage import recovery
@@ -75,6 +75,8 @@ class Store:
         read_only: bool = False,
         mirror: bool = True,
         keep_memory: int | None = None,
+        memory_limit: int | None = None,
+        query_timeout: float | None = QUERY_TIMEOUT,
     ) -> None:
         if not isinstance(read_only, bool):
             raise ValidationError(f"read_only must be True or False, not {read_only!r}")
@@ -84,6 +86,9 @@ class Store:
         if keep_memory is not None and (isinstance(keep_memory, bool) or not isinstance(keep_memory, int)
                                         or keep_memory < 0):
             raise ValidationError(f"keep_memory must be a number of bytes >= 0 (or None), not {keep_memory!r}")
+        if memory_limit is not None and (isinstance(memory_limit, bool) or not isinstance(memory_limit, int)):
+            raise ValidationError(f"memory_limit must be a number of bytes (or None), not {memory_limit!r}")
+        check_timeout(query_timeout)
         self.path = path
         marker = os.path.join(path, MARKER)
         #: the writer lock (``flock`` on ``LOCK``), re-entrant per thread
@@ -118,7 +123,8 @@ class Store:
         self.guard.open()
         # ids used beyond the log (a damaged one) count as begun: the mirror leaves their fragments unsettled
         self.engine = SqlEngine(self.tables, lambda: max(self.log.refresh().max_id, self.guard.ceiling),
-                                mirror=mirror, keep_memory=keep_memory)
+                                mirror=mirror, keep_memory=keep_memory, memory_limit=memory_limit,
+                                query_timeout=query_timeout)
 
     def _upgrade(self, meta: dict[str, object]) -> None:
         """Upgrade a store of an earlier format in place (``storage/upgrade.py``); a read-only

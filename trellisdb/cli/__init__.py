@@ -9,6 +9,8 @@ trellis [--db PATH] [--read-only] [--export-root DIR] [--quiet] [--version] COMM
     | purge (--session ID ... | --task T) --yes
     | import FORMAT PATH | serve [--host H] [--port P] [--token T] [--allowed-host NAME] [--verify MOD:FN]
           [--header-timeout S] [--keep-alive S] [--max-connections N]
+          [--query-timeout S] [--memory-limit SIZE] [--token-reads N] [--tenant-reads N] [--max-reads N]
+          [--read-wait S]
     | token create --tenant T --role R [--name N] [--expires WHEN] | token list [--tenant T] | token revoke NAME
 
 Global options go before or after the command (`trellis --db X log`, `trellis log --db X`); given
@@ -44,6 +46,8 @@ import pyarrow as pa
 from trellisdb.cli.output import WIDTH, format_table
 from trellisdb.errors import NotADatabaseError, TrellisError
 from trellisdb.http_limits import HEADER_TIMEOUT, KEEP_ALIVE, MAX_CONNECTIONS
+from trellisdb.reader import QUERY_TIMEOUT, size_bytes
+from trellisdb.server import MAX_READS, READ_WAIT, TENANT_READS
 
 __all__ = ["CLI_WORDS", "build_parser", "format_table", "in_cli_words", "main"]
 
@@ -157,6 +161,31 @@ def _server_extra(command: str) -> None:
     if missing:
         raise TrellisError(f"`trellis {command}` needs the server extra ({', '.join(missing)} not installed): "
                            "pip install 'trellisdb[server]'")
+
+
+def _seconds(text: str) -> float | None:
+    """``--query-timeout``: seconds > 0, or 0 for no limit."""
+    try:
+        n = float(text)
+    except ValueError:
+        n = -1.0
+    if not n >= 0 or n == float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds >= 0 (0: no limit)")
+    return n or None
+
+
+def _size(text: str) -> int:
+    """``--memory-limit``: bytes, or a size such as 4GiB or 512MB."""
+    n = int(text) if text.isdigit() else size_bytes(text)
+    if n is None:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size; write bytes or e.g. 4GiB, 512MB")
+    return n
+
+
+def _count(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number >= 1")
+    return int(text)
 
 
 def _width(text: str) -> int:
@@ -308,6 +337,22 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--verify", default=None, metavar="MODULE:FUNCTION",
                      help="a verify-before-insert hook: called with each node an agent writes, it answers "
                           "accept, hold (stored quarantined) or reject (docs/server.md)")
+    srv.add_argument("--query-timeout", type=_seconds, default=QUERY_TIMEOUT, metavar="SECONDS",
+                     help=f"how long a TQL or SQL query may run before it is stopped (default {QUERY_TIMEOUT:g}; "
+                          "0: no limit)")
+    srv.add_argument("--memory-limit", type=_size, default=None, metavar="SIZE",
+                     help="the most memory each tenant's query engine may use, its mirror and running queries "
+                          "together, e.g. 4GiB (default: half the memory there is)")
+    srv.add_argument("--tenant-reads", type=_count, default=TENANT_READS, metavar="N",
+                     help=f"TQL and SQL queries running at once per tenant (default {TENANT_READS})")
+    srv.add_argument("--token-reads", type=_count, default=None, metavar="N",
+                     help="TQL and SQL queries one agent's or analyst's token may run at once (default: half "
+                          "--tenant-reads, at least 1)")
+    srv.add_argument("--max-reads", type=_count, default=MAX_READS, metavar="N",
+                     help=f"TQL and SQL queries running at once in all (default {MAX_READS})")
+    srv.add_argument("--read-wait", type=float, default=READ_WAIT, metavar="SECONDS",
+                     help=f"how long a query waits for its turn before it is refused with 429/503 (default "
+                          f"{READ_WAIT:g})")
     tok = command(sub, "token", help="make, list and revoke the tokens of a served store (tenants and roles)")
     tsub = tok.add_subparsers(dest="action", required=True)
     tc = command(tsub, "create", help="make a token; it is printed once and never stored")
@@ -386,8 +431,10 @@ def _open(args: argparse.Namespace, path: str) -> Any:
     from trellisdb.database import open_local as connect
 
     try:
-        # one question per process: scanning Lance beats building the reader's mirror first
-        return connect(path, create=False, mirror=False, read_only=args.read_only, export_root=args.export_root)
+        # one question per process: scanning Lance beats building the reader's mirror first; asked by
+        # whoever runs it, in a process of its own: no time limit
+        return connect(path, create=False, mirror=False, read_only=args.read_only, export_root=args.export_root,
+                       query_timeout=None)
     except NotADatabaseError as e:
         if "; run `trellis init" not in str(e):
             raise  # a file, or a folder of something else: its own message says what to do
@@ -467,7 +514,9 @@ def _run(args: argparse.Namespace, path: str) -> int:
         verify = _hook(args.verify) if args.verify else None
         serve(path, host=args.host, port=args.port, token=args.token, allowed_hosts=args.allowed_host,
               export_root=args.export_root, body_timeout=args.body_timeout, verify=verify,
-              header_timeout=args.header_timeout, keep_alive=args.keep_alive, max_connections=args.max_connections)
+              header_timeout=args.header_timeout, keep_alive=args.keep_alive, max_connections=args.max_connections,
+              query_timeout=args.query_timeout, memory_limit=args.memory_limit, tenant_reads=args.tenant_reads,
+              max_reads=args.max_reads, read_wait=args.read_wait, token_reads=args.token_reads)
         return 0
     if args.command == "token":
         return _token(args, path)

@@ -15,6 +15,7 @@ import pyarrow as pa
 
 from trellisdb.errors import QueryError, QueryNameError, ReadOnlyError, UnknownNodeError
 from trellisdb.graph import EMPTY_FOUND
+from trellisdb.reader import unbounded
 from trellisdb.result import Result
 from trellisdb.tql import ast as A
 from trellisdb.tql import plan as P
@@ -276,7 +277,8 @@ def run(reads: Reads, vectors: Vectors, db: ViewCommands, text: str, params: Map
                 f"{_STATEMENTS[q.statement.action]} changes the database, and this handle is read-only "
                 "(read_only=True, trellis --read-only); queries and SHOW VIEWS are what it runs"
             )
-        return view_command(db, reads, q.statement, params)
+        with unbounded():  # the database's own work (materialize, export): no query time limit
+            return view_command(db, reads, q.statement, params)
     latest = reads.at()
     bound, plan, compiled = prepare(latest, text, params)
     snap = reads.at_commit(bound.snapshot, latest.state)
