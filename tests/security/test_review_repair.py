@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -14,38 +13,11 @@ import lance
 import pytest
 
 import trellisdb
-from trellisdb.errors import TrellisWarning
 from trellisdb.storage import log as log_mod
 from trellisdb.storage import recovery
 from trellisdb.storage.tables import LanceTables
 
-
-def _open(path: Path) -> trellisdb.Database:
-    db = trellisdb.connect(path, embedding_dim=4, auto_compact=False)
-    db._committer.checkpoint_delay = 3600.0  # checkpoints only when the test says
-    return db
-
-
-def _steps(db: trellisdb.Database, first: int, n: int) -> dict[int, str]:
-    """``n`` acknowledged commits, each a node with an artifact, an edge to the one before and a
-    reward; {commit id: node id}."""
-    s = db.resume("s") if db.sql("SELECT 1 FROM sessions WHERE id = 's'").to_pylist() else db.session(id="s", task="t")
-    out = {}
-    for i in range(first, first + n):
-        with db.transaction(message=f"step {i}") as tx:
-            nid = s.add_node(id=f"n{i}", parents=[f"n{i - 1}"] if i else [], artifacts={"code": f"x = {i}"})
-            s.add_reward(nid, "score", float(i))
-        assert tx.commit_id is not None
-        out[tx.commit_id] = nid
-    return out
-
-
-def _connect_warned(path: Path) -> tuple[trellisdb.Database, list[str]]:
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        db = trellisdb.connect(path)
-    return db, [str(w.message) for w in caught if issubclass(w.category, TrellisWarning)]
-
+from .test_double_faults import _checkpoint_dies_after, _connect_warned, _open, _steps
 
 # ---------------------------------------------------------------- false alarms under a concurrent writer
 
@@ -257,21 +229,6 @@ def test_a_damaged_last_wal_frame_is_named_as_damaged_and_kept_in_lost_found(tmp
 # ---------------------------------------------------------------- a checkpoint that skips the row check
 
 
-def _checkpoint_dies_after(db: trellisdb.Database, monkeypatch: pytest.MonkeyPatch, last_table: str) -> None:
-    real = LanceTables.append
-
-    def append(self: LanceTables, name: str, data: Any) -> None:
-        real(self, name, data)
-        if name == last_table:
-            raise OSError("simulated kill inside a checkpoint")
-
-    with monkeypatch.context() as m:
-        m.setattr(LanceTables, "append", append)
-        with pytest.raises(OSError, match="simulated kill"):
-            db._committer.checkpoint()
-    db._committer.closed = True
-
-
 def test_a_checkpoint_after_a_lost_checkpoint_begin_and_no_mark_never_doubles_rows(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -285,6 +242,7 @@ def test_a_checkpoint_after_a_lost_checkpoint_begin_and_no_mark_never_doubles_ro
     db = _open(p)
     _steps(db, 0, 3)
     _checkpoint_dies_after(db, monkeypatch, "edges")
+    db._committer.closed = True
     del db
     log = p / "commits.log"
     lines = log.read_bytes().splitlines(keepends=True)

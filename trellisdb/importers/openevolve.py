@@ -31,7 +31,7 @@ import os
 import re
 import sys
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -97,26 +97,32 @@ class _Layout:
     single: bool  # one checkpoint folder was given
 
 
+def _listed(it: Iterator[os.DirEntry[str]], wanted: Callable[[str], bool], folders: bool) -> Iterator[os.DirEntry[str]]:
+    """The entries of a folder listing whose name is ``wanted`` and that are folders (``folders``)
+    or files; a symbolic link among them that cannot be followed (a loop, a link to nothing) raises
+    ``ImportFormatError`` naming it rather than being passed over."""
+    for entry in it:
+        if not wanted(entry.name):
+            continue
+        try:
+            kind = entry.is_dir() if folders else entry.is_file()
+        except OSError as e:  # a link loop
+            raise unreadable(entry.path, e) from None
+        if kind:
+            yield entry
+        elif (bad := broken_link(entry.path)) is not None:
+            raise bad
+
+
 def _checkpoint_dirs(folder: str) -> list[tuple[int, str]]:
     """The ``checkpoint_<k>`` sub-folders of ``folder``, ascending by k (anything else is ignored)."""
-    out = []
     try:
         it = os.scandir(folder)
     except OSError as e:
         raise unreadable(folder, e) from None
     with it:
-        for entry in it:
-            m = _CHECKPOINT.fullmatch(entry.name)
-            if not m:
-                continue
-            try:
-                is_dir = entry.is_dir()
-            except OSError as e:  # a link loop
-                raise unreadable(entry.path, e) from None
-            if is_dir:
-                out.append((int(m.group(1)), entry.path))
-            elif (bad := broken_link(entry.path)) is not None:
-                raise bad
+        found = _listed(it, lambda n: _CHECKPOINT.fullmatch(n) is not None, folders=True)
+        out = [(int(e.name.rsplit("_", 1)[1]), e.path) for e in found]
     return sorted(out)
 
 
@@ -520,17 +526,8 @@ def _program_files(ckpt: str) -> dict[str, str]:
     except OSError as e:  # a link loop
         raise unreadable(folder, e) from None
     with it:
-        for entry in it:
-            if not (entry.name.endswith(".json") and not entry.name.startswith(".") and len(entry.name) > 5):
-                continue
-            try:
-                is_file = entry.is_file()
-            except OSError as e:  # a link loop
-                raise unreadable(entry.path, e) from None
-            if is_file:
-                out[entry.name[:-5]] = entry.path
-            elif (bad := broken_link(entry.path)) is not None:
-                raise bad
+        for entry in _listed(it, lambda n: n.endswith(".json") and not n.startswith(".") and len(n) > 5, folders=False):
+            out[entry.name[:-5]] = entry.path
     return dict(sorted(out.items()))
 
 
