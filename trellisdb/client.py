@@ -59,12 +59,17 @@ class RemoteTransaction:
         self.commit_id: int | None = None
 
 
+#: Seconds a request may take by default: more than a server's default query limit (60 s) plus its
+#: wait for a read turn (10 s), so that a caller gets the server's error naming the limit.
+TIMEOUT = 120.0
+
+
 class RemoteDatabase:
     """A store served by ``trellis serve`` at ``url`` (see the module notes)."""
 
     read_only = False
 
-    def __init__(self, url: str, *, token: str | None = None, timeout: float = 60.0) -> None:
+    def __init__(self, url: str, *, token: str | None = None, timeout: float = TIMEOUT) -> None:
         import httpx  # (the server extra: missing, connect says so)
 
         self._limits = httpx.Limits(max_connections=4, max_keepalive_connections=1, keepalive_expiry=KEEPALIVE)

@@ -68,7 +68,7 @@ def connect(
     target: str | os.PathLike[str],
     *,
     token: str | None = None,
-    timeout: float = 60.0,
+    timeout: float = 120.0,
     embedding_dim: int | None = None,
     commit_delay: float = 0.05,
     max_batch_rows: int = 10_000,
@@ -87,7 +87,8 @@ def connect(
 ) -> Database | RemoteDatabase:
     """Open a database: a folder path (embedded; :func:`open_local` explains the options) or
     the URL of a server (``http://host:port``, ``https://...``: ``trellis serve``) with its
-    ``token`` and a per-request ``timeout`` in seconds.
+    ``token`` and a per-request ``timeout`` in seconds (default 120: more than a server's
+    default query limit and read wait together).
 
     A served store's handle (``trellisdb.client.RemoteDatabase``) has the embedded handle's API
     for writing (sessions, tasks, transactions, ``flush``, ``ingest``), reading (``query``,

@@ -33,6 +33,7 @@ from contextlib import AbstractAsyncContextManager
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, NamedTuple, Protocol
 
+import anyio.to_thread
 from mcp.server import MCPServer
 from mcp.server.mcpserver.exceptions import ToolError
 from mcp.server.transport_security import DEFAULT_MAX_REQUEST_BODY_SIZE, TransportSecuritySettings
@@ -63,12 +64,12 @@ def _rows(table: Any) -> dict[str, Any]:
 
 class Writes(Protocol):
     """What the tools call inside ``trellis serve`` (``service.Caller``: the server's ``Service``
-    on behalf of the token the MCP session came with). Each blocks, so it runs in the tool's
-    worker thread."""
+    on behalf of the token the MCP session came with). The writes block, so they run in the tool's
+    worker thread; ``query`` is awaited (a read waits for its turn on the event loop)."""
 
-    def query(self, body: Mapping[str, Any]) -> Any:
+    async def query(self, body: Mapping[str, Any]) -> Any:
         """A ``POST /v1/query`` body in, its rows (an Arrow table) out; the token's role checked
-        for the statement."""
+        for the statement, the server's read turns and limits held (awaited on the event loop)."""
 
     def step(self, body: Mapping[str, Any]) -> Mapping[str, Any]:
         """A ``POST /v1/steps`` body in, ``{"id", "commit"}`` out once durable."""
@@ -96,13 +97,17 @@ def build_server(db: Database, *, writes: Writes | None = None, read_only: bool 
     def writing(fn: Any) -> Any:  # a writing tool: registered unless the server is read-only
         return fn if read_only else mcp.tool()(fn)
 
-    def run_tql(text: str, **params: Any) -> dict[str, Any]:
-        """Every tool's TQL: through the server's one door for TQL when served (the role check)."""
-        def ask() -> Any:
+    async def run_tql(text: str, **params: Any) -> dict[str, Any]:
+        """Every tool's TQL: through the server's one door for reads when served (the role check,
+        its read turns and limits), else on a worker thread."""
+        try:
             if writes is not None:
-                return writes.query({"tql": text, "params": params})
-            return db.query(text, **params).to_arrow()
-        return _rows(run(ask))
+                table = await writes.query({"tql": text, "params": params})
+            else:
+                table = await anyio.to_thread.run_sync(lambda: db.query(text, **params).to_arrow())
+        except TrellisError as e:  # its message reaches the agent (a plain exception's would not)
+            raise ToolError(f"{type(e).__name__}: {e}") from e
+        return _rows(table)
 
     def run(fn: Any, *args: Any, **kw: Any) -> Any:
         try:
@@ -125,14 +130,14 @@ def build_server(db: Database, *, writes: Writes | None = None, read_only: bool 
             return w
 
     @mcp.tool()
-    def query(tql: Annotated[str, Field(description="a TQL statement, e.g. NODES WHERE ... RETURN ...")],
+    async def query(tql: Annotated[str, Field(description="a TQL statement, e.g. NODES WHERE ... RETURN ...")],
               params: Annotated[dict[str, Any] | None, Field(description="values of $names")] = None
               ) -> dict[str, Any]:
         """Run a TQL query (see resource trellis://tql); rows as JSON."""
-        return run_tql(tql, **(params or {}))
+        return await run_tql(tql, **(params or {}))
 
     @mcp.tool()
-    def frontier(channel: Annotated[str, Field(description="reward channel to rank by")],
+    async def frontier(channel: Annotated[str, Field(description="reward channel to rank by")],
                  k: Annotated[int, Field(ge=1, le=MAX_ROWS)] = 10,
                  session: Annotated[str | None, Field(description="only this session's nodes")] = None,
                  per_parent: Annotated[int | None, Field(ge=1)] = None) -> dict[str, Any]:
@@ -141,17 +146,17 @@ def build_server(db: Database, *, writes: Writes | None = None, read_only: bool 
         per = f" PER PARENT {int(per_parent)}" if per_parent else ""
         text = (f"FRONTIER {scope}RANK BY reward($ch) DESC{per} LIMIT {int(k)} "
                 "RETURN id, summary, reward($ch) AS reward")
-        return run_tql(text, ch=channel, **({"s": session} if session else {}))
+        return await run_tql(text, ch=channel, **({"s": session} if session else {}))
 
     @mcp.tool()
-    def lineage(node: str, direction: Annotated[str, Field(pattern="^(ancestors|descendants)$")] = "ancestors",
+    async def lineage(node: str, direction: Annotated[str, Field(pattern="^(ancestors|descendants)$")] = "ancestors",
                 hops: Annotated[int, Field(ge=1, le=10_000)] = 10) -> dict[str, Any]:
         """Where a node came from (ancestors) or what came of it (descendants), with hops."""
         text = f"LINEAGE OF $n {direction.upper()} {int(hops)} RETURN id, hop, summary, status"
-        return run_tql(text, n=node)
+        return await run_tql(text, n=node)
 
     @mcp.tool()
-    def retrieve(text: Annotated[str, Field(description="what to look for")],
+    async def retrieve(text: Annotated[str, Field(description="what to look for")],
                  k: Annotated[int, Field(ge=1, le=100)] = 5,
                  space: Annotated[str | None, Field(description="embedding space (a text space)")] = None,
                  expand_hops: Annotated[int, Field(ge=0, le=10)] = 2) -> dict[str, Any]:
@@ -162,7 +167,7 @@ def build_server(db: Database, *, writes: Writes | None = None, read_only: bool 
             raise ToolError(f"space {space!r} is not a space name")
         expand = f" EXPAND LINEAGE {int(expand_hops)}" if expand_hops else ""
         q = f"RETRIEVE {int(k)} {search}{expand} RETURN id, relation, hop, summary"
-        return run_tql(q, t=text)
+        return await run_tql(q, t=text)
 
     @writing
     def record_step(session: str, summary: str, task: str | None = None,

@@ -231,8 +231,14 @@ def _remove(store: Store, committer: Committer, vectors: Vectors, views: ViewSto
     # a repair's copies may hold nodes (and links) the tables no longer do: they are the sessions' too
     copied_nodes, copied_links = copied_ids(lost_found, sessions)
     live = matching(t, "nodes", ["id", "session_id"], lambda r: _in(r["session_id"], s))["id"]
-    nodes = pa.array(sorted(set(live.to_pylist()) | copied_nodes), pa.string())
-    named = {n for n in nodes.to_pylist() if n is not None}
+    # an id only a copy attributes to the sessions may have been taken since by a committed node of
+    # another session (the repair freed it): the tables lose by id only the ids no other session holds
+    copied = pa.array(sorted(copied_nodes), pa.string())
+    others = set(matching(t, "nodes", ["id", "session_id"], lambda r: pc.and_kleene(
+        _in(r["id"], copied), pc.invert(_in(r["session_id"], s))))["id"].to_pylist())
+    nodes = pa.array(sorted(set(live.to_pylist()) | (copied_nodes - others)), pa.string())
+    in_copies = pa.array(sorted(set(live.to_pylist()) | copied_nodes), pa.string())
+    named = {n for n in in_copies.to_pylist() if n is not None}
     linked = pc.unique(pa.concat_arrays([
         pc.unique(matching(t, "node_artifacts", ["node_id", "hash"], lambda r: _in(r["node_id"], nodes))["hash"]),
         pa.array(sorted({h for n, h in copied_links if n in named}), pa.string())]))
@@ -245,7 +251,7 @@ def _remove(store: Store, committer: Committer, vectors: Vectors, views: ViewSto
     rules = drops(s, nodes, hashes, vector_tables)
     exports = _exports(store.path, export_roots, nodes)  # 3.
     ids = {*sessions, *named, *(h for h in hashes.to_pylist() if h is not None)}
-    lost = purge_copies(lost_found, _rule_of(rules, nodes), ids)
+    lost = purge_copies(lost_found, _rule_of(drops(s, in_copies, hashes, vector_tables), in_copies), ids)
     rows: dict[str, int] = {}
     rewritten: list[str] = []
     for name in order(vector_tables):  # 4.

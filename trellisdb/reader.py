@@ -83,6 +83,8 @@ QUERY_TIMEOUT = 60.0
 MEMORY_SHARE = 0.5
 #: The smallest ``memory_limit`` accepted: below it DuckDB cannot set up the views.
 MIN_MEMORY = 64 << 20
+#: The largest ``memory_limit`` accepted (DuckDB refuses a setting far above it).
+MAX_MEMORY = 1 << 60
 
 _SIZE = re.compile(r"^\s*([0-9.]+)\s*(bytes|B|KB|MB|GB|TB|PB|KiB|MiB|GiB|TiB|PiB)\s*$")
 _UNITS = {"bytes": 1, "B": 1, **{u: 1000 ** (i + 1) for i, u in enumerate(("KB", "MB", "GB", "TB", "PB"))},
@@ -329,6 +331,11 @@ class QueryScope:
             self._active = False
         _scoped.scope, self._outer = self._outer, None
 
+    @property
+    def live(self) -> bool:
+        """Whether the scope is entered (its statements may still run)."""
+        return self._active
+
     def cancel(self, reason: str = "it was cancelled") -> None:
         """Stop the scope's queries: the statement running now is interrupted (it raises
         ``QueryCancelledError`` with ``reason``), and no other starts. Any thread may call it."""
@@ -400,9 +407,14 @@ def check_timeout(timeout: object, name: str = "query_timeout") -> float | None:
     if timeout is None:
         return None
     if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not math.isfinite(timeout) \
-            or timeout <= 0:
-        raise ValidationError(f"{name} must be seconds > 0 (or None for no limit), not {timeout!r}")
+            or not 0 < timeout <= MAX_TIMEOUT:
+        raise ValidationError(f"{name} must be seconds in (0, {MAX_TIMEOUT:g}] (or None for no limit), "
+                              f"not {timeout!r}")
     return float(timeout)
+
+
+#: The longest time limit a query may be given (a year; None is no limit at all).
+MAX_TIMEOUT = 365 * 86400.0
 
 
 class _Watchdog:
@@ -420,8 +432,12 @@ class _Watchdog:
 
     def watch(self, scope: QueryScope, when: float) -> None:
         with self._cv:
+            if len(self._heap) > 1024 and len(self._heap) > 2 * sum(1 for e in self._heap if e[2].live):
+                # scopes that ended wait in the heap until their deadline: drop them now and then
+                self._heap = [e for e in self._heap if e[2].live]
+                heapq.heapify(self._heap)
             heapq.heappush(self._heap, (when, next(self._seq), scope))
-            if self._thread is None:
+            if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(target=self._run, name="trellisdb-query-watchdog", daemon=True)
                 self._thread.start()
             if self._heap[0][2] is scope:
@@ -431,11 +447,12 @@ class _Watchdog:
         while True:
             with self._cv:
                 while not self._heap or self._heap[0][0] > time.monotonic():
-                    self._cv.wait(None if not self._heap else self._heap[0][0] - time.monotonic())
+                    wait = None if not self._heap else min(self._heap[0][0] - time.monotonic(), threading.TIMEOUT_MAX)
+                    self._cv.wait(wait)
                 _, _, scope = heapq.heappop(self._heap)
             try:
                 later = scope.tick(time.monotonic())
-            except duckdb.Error:  # the connection is closed: nothing runs on it
+            except Exception:  # a closed connection (nothing runs on it), or a bug: the others are still watched
                 later = None
             if later is not None:
                 self.watch(scope, later)
@@ -524,6 +541,9 @@ class SqlEngine:
         elif limit < MIN_MEMORY:
             raise ValidationError(f"memory_limit={limit} is below the {MIN_MEMORY >> 20} MiB the engine needs; "
                                   "pass more (or None)")
+        elif limit > MAX_MEMORY:
+            raise ValidationError(f"memory_limit={limit} is above the {MAX_MEMORY >> 50} PiB DuckDB can be given; "
+                                  "pass less (or None: half the memory it finds)")
         self._db.execute(f"SET memory_limit = '{int(limit)} bytes'")
         return int(limit)
 

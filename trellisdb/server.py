@@ -61,6 +61,7 @@ import pyarrow as pa
 from trellisdb import wire
 from trellisdb.errors import (
     AccessError,
+    BusyError,
     CorruptionError,
     QueryCancelledError,
     ReadOnlyError,
@@ -209,6 +210,9 @@ def build_app(db: Database, *, token: str | None = None, max_body: int = MAX_BOD
     for name, n in (("token_reads", token_reads), ("tenant_reads", tenant_reads), ("max_reads", max_reads)):
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise ValidationError(f"{name} must be a whole number >= 1, not {n!r}")
+    if isinstance(read_wait, bool) or not isinstance(read_wait, int | float) or not 0 <= read_wait <= 3600:
+        raise ValidationError(f"read_wait must be seconds in [0, 3600] (0: a read finding no free turn is refused "
+                              f"at once), not {read_wait!r}")
     services = Services(db, token=token, verify=verify, options=store_options)
     # reads (TQL, SQL) and writes each on threads of their own: neither can take the other's; the
     # reads' run at a lower CPU priority, so that a core busy with them still serves steps and health
@@ -219,8 +223,16 @@ def build_app(db: Database, *, token: str | None = None, max_body: int = MAX_BOD
     token_slots: dict[tuple[str, str], anyio.CapacityLimiter] = {}
 
     async def turn(limiter: anyio.CapacityLimiter, wait: float, status: int, whose: str, option: str) -> None:
-        """A turn to read, waited for at most ``wait`` seconds (else ``BusyError``)."""
+        """A turn to read, waited for at most ``wait`` seconds (else ``BusyError``; a free turn is
+        taken at once, however short the wait)."""
         try:
+            limiter.acquire_nowait()
+            return
+        except anyio.WouldBlock:
+            pass
+        try:
+            if not wait > 0:
+                raise TimeoutError
             with anyio.fail_after(wait):
                 await limiter.acquire()
         except TimeoutError:
@@ -229,10 +241,12 @@ def build_app(db: Database, *, token: str | None = None, max_body: int = MAX_BOD
                                                  f"moment (trellis serve {option} N allows more)",
                             {"Retry-After": "1"}) from None
 
-    async def read(request: Request, service: Service, who: Principal, work: Callable[[], pa.Table]) -> pa.Table:
-        """``work`` (a read) once the tenant and the server have a turn for it, in a read thread
-        under a query scope of the tenant's store (its time limit), cancelled when the client
-        goes away (while it waits for a turn too)."""
+    async def admitted(service: Service, who: Principal, work: Callable[[], pa.Table],
+                       gone: Callable[[], Awaitable[None]] | None) -> pa.Table:
+        """``work`` (a read) once the caller's token, its tenant and the server have a turn for it,
+        in a read thread under a query scope of the tenant's store (its time limit); cancelled
+        when ``gone`` returns (the client went away), while it waits for a turn too. Every door's
+        reads come here: ``/v1/query``, ``/v1/sql`` and MCP's reading tools."""
         scope = service.db.query_scope()
         done: list[pa.Table] = []
         failed: list[Exception] = []  # raised after the task group (which would wrap it in a group)
@@ -242,13 +256,13 @@ def build_app(db: Database, *, token: str | None = None, max_body: int = MAX_BOD
                 return work()
 
         async with anyio.create_task_group() as tg:
-            async def watch() -> None:  # the body is read: the next message is the client leaving
-                while (await request.receive())["type"] != "http.disconnect":
-                    pass
-                scope.cancel("the client went away")
-                tg.cancel_scope.cancel()
+            if gone is not None:
+                async def watch() -> None:
+                    await gone()
+                    scope.cancel("the client went away")
+                    tg.cancel_scope.cancel()
 
-            tg.start_soon(watch)
+                tg.start_soon(watch)
             turns = [(tenant_slots.setdefault(who.tenant, anyio.CapacityLimiter(tenant_reads)), 429,
                       f"tenant {who.tenant!r}", "--tenant-reads"), (all_reads, 503, "the server", "--max-reads")]
             if not who.may("admin"):  # one caller's turns, then its tenant's, then the server's
@@ -272,6 +286,24 @@ def build_app(db: Database, *, token: str | None = None, max_body: int = MAX_BOD
         if not done:  # the client went away: nobody reads this
             raise QueryCancelledError("the client went away")
         return done[0]
+
+    async def read(request: Request, service: Service, who: Principal, work: Callable[[], pa.Table]) -> pa.Table:
+        """A request's read (``admitted``), cancelled when its client goes away."""
+        async def gone() -> None:  # the body is read: the next message is the client leaving
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+
+        return await admitted(service, who, work, gone)
+
+    def mcp_reads(service: Service, who: Principal) -> Callable[[Callable[[], pa.Table]], Awaitable[pa.Table]]:
+        """MCP's reading tools' door to ``admitted`` (the same turns and limits as REST): a refusal
+        reaches the agent as ``BusyError`` (a tool error), not an HTTP status."""
+        async def reads(work: Callable[[], pa.Table]) -> pa.Table:
+            try:
+                return await admitted(service, who, work, None)
+            except HttpError as e:
+                raise BusyError(str(e)) from None
+        return reads
 
     def caller(authorization: str | None, need: str) -> Principal:
         try:
@@ -421,7 +453,7 @@ def build_app(db: Database, *, token: str | None = None, max_body: int = MAX_BOD
             entry = mcp_apps.get(who.key)
             if entry is None:
                 service = await run_in_threadpool(services.service, who.tenant)
-                app = http_app(service.db, writes=Caller(service, who), host=host,
+                app = http_app(service.db, writes=Caller(service, who, reads=mcp_reads(service, who)), host=host,
                                allowed_hosts=allowed_hosts, max_body=max_body, read_only=not who.may("write"))
 
                 async def run_manager(*, task_status: anyio.abc.TaskStatus[anyio.CancelScope] =

@@ -36,7 +36,7 @@ import queue
 import secrets
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
@@ -66,6 +66,8 @@ TX_TIMEOUT = 30.0
 TX_TIMEOUT_MAX = 600.0
 #: At most this many transactions open at once (each holds a thread).
 MAX_TRANSACTIONS = 256
+#: Transactions one token may hold open at once (so one agent cannot take every one of its tenant's).
+MAX_TRANSACTIONS_PER_TOKEN = 32
 
 #: The remote API: methods of the database handle and of a session's writer a client may call,
 #: each with the parameters it may not pass (callables).
@@ -179,6 +181,8 @@ class Service:
         self._owners: dict[str, str | None] = {}
         self._lock = threading.Lock()
         self._txs: dict[str, _Tx] = {}
+        #: transactions being begun (their thread starting), with who begins each: counted as open
+        self._opening: dict[str, Principal | None] = {}
         self._tx_ids = itertools.count(1)
         # group commit: tickets staged, tickets durable (or failed), the committer thread
         self._stage = threading.Lock()
@@ -524,16 +528,27 @@ class Service:
         timeout = body.get("timeout", TX_TIMEOUT)
         if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not 0 < timeout <= TX_TIMEOUT_MAX:
             raise ValidationError(f"timeout must be seconds in (0, {TX_TIMEOUT_MAX:g}], got {timeout!r}")
-        with self._lock:
+        tx_id = f"tx{next(self._tx_ids)}-{secrets.token_hex(8)}"
+        with self._lock:  # counted and reserved at once: two begins cannot both take the last place
             for k in [k for k, t in self._txs.items() if t.ended is not None]:
                 del self._txs[k]
-            if len(self._txs) >= MAX_TRANSACTIONS:
-                raise TransactionError(f"{MAX_TRANSACTIONS} transactions are open on this server; commit or "
-                                       "roll back one first")
-        tx = _Tx(self.db, message, meta, float(timeout), who)
-        tx_id = f"tx{next(self._tx_ids)}-{secrets.token_hex(8)}"
-        with self._lock:
-            self._txs[tx_id] = tx
+            owners = [t.owner for t in self._txs.values()] + list(self._opening.values())
+            if len(owners) >= MAX_TRANSACTIONS:
+                raise TransactionError(f"{MAX_TRANSACTIONS} transactions are open on this tenant's store; commit "
+                                       "or roll back one first")
+            mine = sum(1 for o in owners if (o is None if who is None else who.same_token(o)))
+            if mine >= MAX_TRANSACTIONS_PER_TOKEN:
+                raise TransactionError(f"token {who.name if who else 'anonymous'!r} holds {mine} open transactions, "
+                                       f"the most one token may ({MAX_TRANSACTIONS_PER_TOKEN}); commit or roll back "
+                                       "one first")
+            self._opening[tx_id] = who
+        try:
+            tx = _Tx(self.db, message, meta, float(timeout), who)
+            with self._lock:
+                self._txs[tx_id] = tx
+        finally:
+            with self._lock:
+                self._opening.pop(tx_id, None)
         return {"tx": tx_id, "timeout": tx.timeout}
 
     def end(self, body: Mapping[str, Any], commit: bool, who: Principal | None = None) -> dict[str, Any]:
@@ -569,11 +584,21 @@ class Caller:
     """A :class:`Service`'s work on behalf of one caller (``mcp_server.Writes``: what MCP's tools
     call inside ``trellis serve``)."""
 
-    def __init__(self, service: Service, who: Principal | None) -> None:
+    def __init__(self, service: Service, who: Principal | None,
+                 reads: Callable[[Callable[[], pa.Table]], Awaitable[pa.Table]] | None = None) -> None:
         self.service, self.who = service, who
+        #: how a read runs (the server's admission: turns, time limit, read threads); else a worker thread
+        self._reads = reads
 
-    def query(self, body: Mapping[str, Any]) -> pa.Table:
-        return self.service.query(body, self.who)
+    async def query(self, body: Mapping[str, Any]) -> pa.Table:
+        """TQL for this caller, awaited on the event loop (no thread held while it waits its turn)."""
+        def work() -> pa.Table:
+            return self.service.query(body, self.who)
+        if self._reads is not None:
+            return await self._reads(work)
+        import anyio.to_thread
+
+        return await anyio.to_thread.run_sync(work)
 
     def step(self, body: Mapping[str, Any]) -> dict[str, Any]:
         return self.service.step(body, self.who)

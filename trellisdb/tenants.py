@@ -111,6 +111,10 @@ def token_key(token: str) -> str:
 
 
 
+#: The furthest ahead a token may expire.
+MAX_EXPIRY = dt.timedelta(days=100 * 365)
+
+
 def expiry(value: object, now: dt.datetime | None = None) -> dt.datetime | None:
     """When a token made ``now`` with ``expires=value`` stops working (UTC): a duration
     (``"90s"``, ``"30m"``, ``"12h"``, ``"30d"``, ``"2w"``), an ISO time with its zone
@@ -124,10 +128,15 @@ def expiry(value: object, now: dt.datetime | None = None) -> dt.datetime | None:
         return None
     now = now or dt.datetime.now(dt.UTC)
     when: dt.datetime | None = value if isinstance(value, dt.datetime) else None
+    far = ValidationError(f"expires {value!r:.80}: too far ahead; give at most {MAX_EXPIRY.days // 365} years "
+                          "(or no expiry)")
     if isinstance(value, str):
         m = _DURATION.fullmatch(value.strip())
         if m:
-            when = now + dt.timedelta(seconds=float(m.group(1)) * _UNIT[m.group(2)])
+            seconds = float(m.group(1)) * _UNIT[m.group(2)]
+            if not seconds <= MAX_EXPIRY.total_seconds():
+                raise far
+            when = now + dt.timedelta(seconds=seconds)
         else:
             try:
                 when = dt.datetime.fromisoformat(value.strip())
@@ -136,7 +145,12 @@ def expiry(value: object, now: dt.datetime | None = None) -> dt.datetime | None:
     if when is None or when.tzinfo is None:
         raise ValidationError(f"expires {value!r:.80}: give a duration (90s, 30m, 12h, 30d, 2w) or an ISO time with "
                               "its zone (2027-01-01T00:00:00Z)")
-    when = when.astimezone(dt.UTC)
+    try:
+        when = when.astimezone(dt.UTC)
+    except OverflowError:  # a time at the end of the calendar, in a zone behind UTC
+        raise far from None
+    if when - now > MAX_EXPIRY:
+        raise far
     if when <= now:
         raise ValidationError(f"expires {value!r:.80}: {when.isoformat(timespec='seconds')} has passed; give a "
                               "moment ahead")
