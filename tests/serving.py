@@ -9,6 +9,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -54,3 +55,19 @@ def stop(proc: subprocess.Popen[bytes]) -> None:
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
+
+
+def mcp_calls(url: str, token: str, calls: list[tuple[str, dict[str, Any]]]) -> tuple[list[str], list[Any]]:
+    """The MCP tools ``url``'s ``/mcp`` lists to ``token``, and the results of ``calls`` (tool name,
+    arguments), through the official SDK's streamable-HTTP client."""
+    import anyio
+    import httpx2
+    from mcp import Client
+    from mcp.client.streamable_http import streamable_http_client
+
+    async def go() -> tuple[list[str], list[Any]]:
+        http = httpx2.AsyncClient(headers={"Authorization": f"Bearer {token}"}, timeout=httpx2.Timeout(30))
+        async with http, Client(streamable_http_client(f"{url}/mcp", http_client=http)) as c:
+            names = sorted(t.name for t in (await c.list_tools()).tools)
+            return names, [await c.call_tool(name, args) for name, args in calls]
+    return anyio.run(go)

@@ -20,10 +20,8 @@ import pytest
 pytest.importorskip("mcp")
 
 import httpx
-import httpx2
 import uvicorn
 from mcp import Client, MCPError, StdioServerParameters
-from mcp.client.streamable_http import streamable_http_client
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -32,6 +30,8 @@ from starlette.routing import Mount, Route
 from trellisdb.database import Database, open_local
 from trellisdb.mcp_server import _transport_security, build_server, http_app
 from trellisdb.service import Caller, Service
+
+from .serving import mcp_calls
 
 TOKEN = "mcp-s3cret"
 
@@ -177,12 +177,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
 
 
 def _http_calls(url: str, calls: list[tuple[str, dict[str, Any]]], token: str = TOKEN) -> tuple[list[str], list[Any]]:
-    async def go() -> tuple[list[str], list[Any]]:
-        http = httpx2.AsyncClient(headers={"Authorization": f"Bearer {token}"}, timeout=httpx2.Timeout(30))
-        async with http, Client(streamable_http_client(f"{url}/mcp", http_client=http)) as c:
-            names = sorted(t.name for t in (await c.list_tools()).tools)
-            return names, [await c.call_tool(name, args) for name, args in calls]
-    return anyio.run(go)
+    return mcp_calls(url, token, calls)
 
 
 def test_an_agent_over_streamable_http_steps_through_the_server_group_commit(served: Served) -> None:

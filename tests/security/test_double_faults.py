@@ -185,6 +185,16 @@ def _checkpoint_dies_after(db: trellisdb.Database, monkeypatch: pytest.MonkeyPat
             db._committer.checkpoint()
 
 
+def _killed_in_a_checkpoint(p: Path, monkeypatch: pytest.MonkeyPatch, n: int) -> dict[int, str]:
+    """A store at ``p`` with ``n`` acknowledged steps in the WAL, whose writer was killed inside a
+    checkpoint after its nodes and edges appends; the steps written."""
+    db = _open(p)
+    acked = _steps(db, 0, n)
+    _checkpoint_dies_after(db, monkeypatch, "edges")
+    _die(db)
+    return acked
+
+
 def test_a_checkpoint_killed_half_way_then_a_lost_frame_keeps_every_other_commit_whole(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -193,11 +203,7 @@ def test_a_checkpoint_killed_half_way_then_a_lost_frame_keeps_every_other_commit
     (moving the checkpoint mark past every earlier frame) and the earlier commits lost their rewards,
     with verify clean."""
     p = tmp_path / "db"
-    db = _open(p)
-    acked = _steps(db, 0, 5)
-    _checkpoint_dies_after(db, monkeypatch, "edges")
-    _die(db)
-    del db
+    acked = _killed_in_a_checkpoint(p, monkeypatch, 5)
     seg = p / "wal-00000001.log"
     data = seg.read_bytes()
     seg.write_bytes(data[: data.rfind(b'{"bytes":')])  # the last frame lost (a copy cut short)
@@ -235,11 +241,7 @@ def test_a_damaged_checkpoint_begin_record_never_doubles_rows(
     """A checkpoint killed half-way, then its ``checkpoint-begin`` line (the log's last) damaged: the
     next checkpoint would not know to delete the rows it left, and would write them twice."""
     p = tmp_path / "db"
-    db = _open(p)
-    acked = _steps(db, 0, 4)
-    _checkpoint_dies_after(db, monkeypatch, "edges")
-    _die(db)
-    del db
+    acked = _killed_in_a_checkpoint(p, monkeypatch, 4)
     assert b"checkpoint-begin" in (p / "commits.log").read_bytes().splitlines()[-1]
     _damage_last_line(p / "commits.log", how)
     db, warned = _connect_warned(p)

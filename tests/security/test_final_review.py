@@ -26,7 +26,7 @@ from trellisdb.database import open_local
 from trellisdb.schema import table_schema
 from trellisdb.tenants import Tokens
 
-from ..serving import free_port, start, stop
+from ..serving import free_port, mcp_calls, start, stop
 
 
 # ---------------------------------------------------------------- purge and lost+found
@@ -80,19 +80,6 @@ def _post(url: str, token: str, path: str, body: dict[str, Any], timeout: float 
     return httpx.post(f"{url}{path}", json=body, headers={"authorization": f"Bearer {token}"}, timeout=timeout)
 
 
-def _mcp(url: str, token: str, calls: list[tuple[str, dict[str, Any]]]) -> list[Any]:
-    import anyio
-    import httpx2
-    from mcp import Client
-    from mcp.client.streamable_http import streamable_http_client
-
-    async def go() -> list[Any]:
-        http = httpx2.AsyncClient(headers={"Authorization": f"Bearer {token}"}, timeout=httpx2.Timeout(30))
-        async with http, Client(streamable_http_client(f"{url}/mcp", http_client=http)) as c:
-            return [await c.call_tool(n, a) for n, a in calls]
-    return anyio.run(go)
-
-
 @pytest.fixture
 def one_turn(tmp_path: Path) -> Iterator[tuple[str, dict[str, str]]]:
     """A server with one read turn in all (per token, per tenant, per server) and a 3 s limit."""
@@ -131,7 +118,7 @@ def test_mcp_queries_wait_for_the_same_read_turns_as_rest(one_turn: tuple[str, d
         time.sleep(0.6)  # the long query has the analyst's (and the server's) one turn
         busy = _post(url, tok["analyst"], "/v1/sql", {"sql": "SELECT 1 AS x"})
         assert busy.status_code == 429 and busy.json()["error"] == "BusyError", busy.text  # REST: refused
-        (answer,) = _mcp(url, tok["analyst"], [("query", {"tql": "NODES RETURN count(*) AS n"})])
+        _, (answer,) = mcp_calls(url, tok["analyst"], [("query", {"tql": "NODES RETURN count(*) AS n"})])
         assert holder.is_alive()  # (asked while the turn was taken)
         assert answer.is_error and "BusyError" in str(answer.content[0].text), answer.content[0].text
     finally:

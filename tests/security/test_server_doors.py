@@ -22,7 +22,7 @@ import pytest
 import trellisdb
 from trellisdb.client import RemoteDatabase
 
-from ..serving import free_port, start, stop
+from ..serving import free_port, mcp_calls, start, stop
 
 pytest.importorskip("mcp")
 
@@ -60,20 +60,6 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
         stop(proc)
 
 
-def _mcp(url: str, token: str, calls: list[tuple[str, dict[str, Any]]]) -> tuple[list[str], list[Any]]:
-    import anyio
-    import httpx2
-    from mcp import Client
-    from mcp.client.streamable_http import streamable_http_client
-
-    async def go() -> tuple[list[str], list[Any]]:
-        http = httpx2.AsyncClient(headers={"Authorization": f"Bearer {token}"}, timeout=httpx2.Timeout(30))
-        async with http, Client(streamable_http_client(f"{url}/mcp", http_client=http)) as c:
-            names = sorted(t.name for t in (await c.list_tools()).tools)
-            return names, [await c.call_tool(n, a) for n, a in calls]
-    return anyio.run(go)
-
-
 def _text(result: Any) -> str:
     return str(result.content[0].text)
 
@@ -88,7 +74,7 @@ def test_mcp_query_checks_each_statements_role_as_rest_does(served: Served) -> N
     statements = ["CREATE VIEW stolen AS sft WITH reward = reward('score')", "MATERIALIZE kept",
                   "EXPORT kept TO 'leak.jsonl' FORMAT trl", "REFRESH kept", "DROP VIEW kept"]
     for who in ("analyst", "agent-a"):
-        _, out = _mcp(url, tok[who], [("query", {"tql": t}) for t in statements] +
+        _, out = mcp_calls(url, tok[who], [("query", {"tql": t}) for t in statements] +
                       [("query", {"tql": "SHOW VIEWS"})])
         for text, r in zip(statements, out, strict=False):
             assert r.is_error, (who, text)
@@ -102,7 +88,7 @@ def test_mcp_query_checks_each_statements_role_as_rest_does(served: Served) -> N
         assert [(v["name"], v["commit"]) for v in ad.views()] == [("kept", None)]  # never materialized
     assert not list(path.rglob("leak.jsonl"))  # no file written
     # an admin's MCP may (the same check lets it through)
-    _, (made, dropped) = _mcp(url, tok["admin"], [("query", {"tql": "MATERIALIZE kept"}),
+    _, (made, dropped) = mcp_calls(url, tok["admin"], [("query", {"tql": "MATERIALIZE kept"}),
                                                   ("query", {"tql": "DROP VIEW kept"})])
     assert not made.is_error and not dropped.is_error, (_text(made), _text(dropped))
 
@@ -191,7 +177,7 @@ def test_mcp_tools_hold_the_same_rules(served: Served) -> None:
     """MCP's ``add_reward`` scored another agent's node; it is refused as a session call is, and
     ``compare`` of any nodes stays open."""
     url, _, tok = served
-    _, (score, own, judged) = _mcp(url, tok["agent-b"], [
+    _, (score, own, judged) = mcp_calls(url, tok["agent-b"], [
         ("add_reward", {"session": "sb", "node": "na", "channel": "score", "value": 99.0}),
         ("add_reward", {"session": "sb", "node": "nb", "channel": "speed", "value": 2.0}),
         ("compare", {"session": "sb", "a": "na", "b": "nb", "preferred": "na"}),
@@ -209,13 +195,13 @@ def test_a_token_made_again_under_a_revoked_ones_name_gets_its_own_rights_over_m
     again under its name as an agent kept the admin's rights over MCP."""
     url, path, tok = served
     first = _token(path, "acme", "admin", "shifty")
-    names, (made,) = _mcp(url, first, [("query", {"tql": "CREATE VIEW shifty_v AS sft WITH reward = "
+    names, (made,) = mcp_calls(url, first, [("query", {"tql": "CREATE VIEW shifty_v AS sft WITH reward = "
                                                           "reward('score')"})])
     assert not made.is_error and "record_step" in names  # an admin's MCP server, now cached
     with RemoteDatabase(url, token=tok["admin"]) as ad:
         ad.request("POST", "/v1/tokens/revoke", {"name": "shifty"})
         again = ad.request("POST", "/v1/tokens", {"role": "agent", "name": "shifty"})["token"]
-    _, (refused, scored) = _mcp(url, again, [
+    _, (refused, scored) = mcp_calls(url, again, [
         ("query", {"tql": "DROP VIEW shifty_v"}),
         ("add_reward", {"session": "sb", "node": "nb", "channel": "score", "value": 99.0}),  # b's session
     ])
@@ -224,7 +210,7 @@ def test_a_token_made_again_under_a_revoked_ones_name_gets_its_own_rights_over_m
     assert subprocess.run([sys.executable, "-m", "trellisdb.cli", "--db", str(path), "token", "revoke", "shifty"],
                           capture_output=True, check=True).returncode == 0  # revoked by the command, too
     reader = _token(path, "acme", "analyst", "shifty")
-    names, _ = _mcp(url, reader, [])
+    names, _ = mcp_calls(url, reader, [])
     assert "record_step" not in names and "query" in names  # an analyst's: the reading tools only
     for old in (first, again):
         r = httpx.post(f"{url}/mcp", json={}, headers={"authorization": f"Bearer {old}"})
@@ -290,7 +276,7 @@ def test_tokens_expire(served: Served) -> None:
     assert listed["brief"] in shown
     with RemoteDatabase(url, token=brief) as db:
         db.record_step(session="brief-s", task="pack", summary="while it lasts")
-        _, (ok,) = _mcp(url, brief, [("query", {"tql": "NODES RETURN count(*) AS n"})])
+        _, (ok,) = mcp_calls(url, brief, [("query", {"tql": "NODES RETURN count(*) AS n"})])
         assert not ok.is_error
         until = max(dt.datetime.fromisoformat(listed[n]) for n in ("brief", "brief-http"))
         time.sleep(max(0.0, (until - dt.datetime.now(dt.UTC)).total_seconds()) + 0.3)
