@@ -68,6 +68,8 @@ TX_TIMEOUT_MAX = 600.0
 MAX_TRANSACTIONS = 256
 #: Transactions one token may hold open at once (so one agent cannot take every one of its tenant's).
 MAX_TRANSACTIONS_PER_TOKEN = 32
+#: Nodes whose session a server remembers (``Service._wrote``): about 100 bytes each.
+NODE_SESSIONS = 1 << 20
 
 #: The remote API: methods of the database handle and of a session's writer a client may call,
 #: each with the parameters it may not pass (callables).
@@ -179,6 +181,10 @@ class Service:
         self._session_locks: dict[str, threading.Lock] = {}
         #: who opened each session seen (``owner``): its provenance, None for none
         self._owners: dict[str, str | None] = {}
+        #: the session of each node this server wrote outside a transaction (a node's session is part
+        #: of its identity: it never changes but by a purge), so that an agent's change of its own
+        #: node asks the store nothing (``_check_targets``); emptied past ``NODE_SESSIONS`` entries
+        self._node_sessions: dict[str, str] = {}
         self._lock = threading.Lock()
         self._txs: dict[str, _Tx] = {}
         #: transactions being begun (their thread starting), with who begins each: counted as open
@@ -418,6 +424,7 @@ class Service:
                     w.add_reward(node_id, channel, value)
                 self._staged += 1
                 ticket = self._staged
+            self._wrote(node_id, sid)
         return ({"id": node_id, "held": held["quarantine"]} if held else {"id": node_id}), ticket
 
     def _verified(self, sid: str, node: Mapping[str, Any], rewards: Mapping[str, Any],
@@ -455,10 +462,11 @@ class Service:
             fn = getattr(self.db, method)
             _check_args(method, fn, args, kwargs, refused)
             out = self._in_tx(body, lambda: fn(*args, **kwargs), who)
-            if method == "purge":  # the purged sessions' writers (and owners) are gone with them
+            if method == "purge":  # the purged sessions' writers (and owners, and nodes) are gone with them
                 with self._lock:
                     self._writers.clear()
                     self._owners.clear()
+                    self._node_sessions.clear()
             return out
         with self._session_lock(sid):
             w = self._writer(sid, who)
@@ -470,7 +478,17 @@ class Service:
             def write() -> Any:  # checked where it runs (a transaction's thread sees its own nodes)
                 self._check_targets(w, method, bound, who)
                 return fn(*args, **kwargs)
-            return self._in_tx(body, write, who)
+            out = self._in_tx(body, write, who)
+            if method == "add_node" and isinstance(out, str) and body.get("tx") is None:
+                self._wrote(out, sid)  # (a transaction's nodes may yet be rolled back)
+            return out
+
+    def _wrote(self, node_id: str, sid: str) -> None:
+        """Remember that session ``sid`` wrote node ``node_id`` (staged outside a transaction)."""
+        with self._lock:
+            if len(self._node_sessions) >= NODE_SESSIONS:
+                self._node_sessions.clear()
+            self._node_sessions[node_id] = sid
 
     def _check_targets(self, w: SessionWriter, method: str, bound: inspect.BoundArguments,
                        who: Principal | None) -> None:
@@ -501,7 +519,10 @@ class Service:
         ids = [value] if isinstance(value, str) else value
         if scope != "node" or not isinstance(ids, list | tuple) or not all(isinstance(i, str) for i in ids):
             return  # the method refuses the value (or the scope) itself
-        sessions = w.sessions_of(list(ids))
+        with self._lock:
+            sessions = {i: self._node_sessions[i] for i in ids if i in self._node_sessions}
+        if len(sessions) < len(set(ids)):  # nodes this server did not write: the store says whose
+            sessions.update(w.sessions_of([i for i in ids if i not in sessions]))
         for node in ids:
             sid = sessions.get(node)
             if sid is None:
